@@ -1,0 +1,3 @@
+from refengine.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""Configs: what the user sets (EngineConfig) and what checkpoints say (ModelConfig, DFlashConfig).
+
+Every config is a frozen dataclass validated at construction, so a bad value fails before any weight loads.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from refengine.errors import CheckpointError, UnsupportedConfigError
+
+
+def read_config_json(path: str | Path) -> dict:
+    """config.json from a checkpoint directory (or the file itself)."""
+    p = Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no config.json (expected a checkpoint directory with config.json)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{p}: not valid JSON ({e})") from e
+
+
+def _need(cfg: dict, key: str, where: str):
+    if key not in cfg or cfg[key] is None:
+        raise CheckpointError(f"{where}: config.json lacks required field {key!r}")
+    return cfg[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Qwen3 geometry refengine needs, read from an HF config.json."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise UnsupportedConfigError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: dict, where: str = "target") -> "ModelConfig":
+        arch = cfg.get("architectures") or []
+        if cfg.get("model_type") != "qwen3":
+            raise UnsupportedConfigError(
+                f"{where}: model_type={cfg.get('model_type')!r} ({arch}); refengine serves Qwen3 only")
+        if cfg.get("rope_scaling"):
+            raise UnsupportedConfigError(f"{where}: rope_scaling={cfg['rope_scaling']} is not supported")
+        if cfg.get("use_sliding_window"):
+            raise UnsupportedConfigError(f"{where}: sliding-window attention is not supported")
+        if cfg.get("attention_bias"):
+            raise UnsupportedConfigError(f"{where}: attention_bias=true is not Qwen3")
+        heads = _need(cfg, "num_attention_heads", where)
+        hidden = _need(cfg, "hidden_size", where)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1000000.0)
+        return cls(
+            vocab_size=_need(cfg, "vocab_size", where), hidden_size=hidden,
+            intermediate_size=_need(cfg, "intermediate_size", where),
+            num_layers=_need(cfg, "num_hidden_layers", where), num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+            max_position_embeddings=_need(cfg, "max_position_embeddings", where),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids)
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash drafter: a Qwen3-style stack without embeddings or LM head, fed by target features."""
+    model: ModelConfig           # the drafter's own layer geometry
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 2:
+            raise UnsupportedConfigError(f"drafter block_size={self.block_size} must be >= 2")
+        if not self.target_layer_ids:
+            raise UnsupportedConfigError("drafter dflash_config.target_layer_ids is empty")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DFlashConfig":
+        dcfg = cfg.get("dflash_config") or {}
+        block = cfg.get("block_size", dcfg.get("block_size"))  # top level in z-lab b16; nested in newer ones
+        if block is None:
+            raise CheckpointError("drafter: config.json has no block_size (top level or in dflash_config)")
+        ids = dcfg.get("target_layer_ids")
+        if ids is None:
+            raise CheckpointError("drafter: config.json lacks dflash_config.target_layer_ids")
+        mask = dcfg.get("mask_token_id")
+        if mask is None:
+            raise CheckpointError("drafter: config.json lacks dflash_config.mask_token_id")
+        return cls(model=ModelConfig.from_hf(cfg, where="drafter"), block_size=int(block),
+                   mask_token_id=int(mask), target_layer_ids=tuple(int(i) for i in ids),
+                   num_target_layers=int(_need(cfg, "num_target_layers", "drafter")))
+
+    def check_fits(self, target: ModelConfig) -> None:
+        """Fail at load, naming the mismatch, when this drafter cannot serve `target`."""
+        problems = []
+        if self.model.hidden_size != target.hidden_size:
+            problems.append(f"hidden_size {self.model.hidden_size} != target {target.hidden_size}")
+        if self.num_target_layers != target.num_layers:
+            problems.append(f"num_target_layers {self.num_target_layers} != target layers {target.num_layers}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"target_layer_ids {bad} outside 0..{target.num_layers - 1}")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            problems.append(f"mask_token_id {self.mask_token_id} outside the target vocab (0..{target.vocab_size - 1})")
+        if problems:
+            raise UnsupportedConfigError("drafter does not fit its target: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """User knobs. `device` 'cpu' runs fp32 with the torch attention backend; 'cuda' bf16 with FlashInfer."""
+    target_path: str
+    draft_path: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None              # default: float32 on cpu, bfloat16 on cuda
+    attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
+    page_size: int = 16
+    num_blocks: int | None = None         # default: enough for max_num_seqs full-context requests (capped)
+    max_num_seqs: int = 64
+    max_prefill_tokens: int = 8192
+    speculative: bool = True              # use the drafter when one is given
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedConfigError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: refengine runs on one device (TP=1)")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise UnsupportedConfigError(f"device={self.device!r}: use 'cpu' or 'cuda[:N]'")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise UnsupportedConfigError(f"dtype={self.dtype!r}: use float32, bfloat16 or float16")
+        if self.attention_backend not in (None, "torch", "flashinfer"):
+            raise UnsupportedConfigError(f"attention_backend={self.attention_backend!r}: use 'torch' or 'flashinfer'")
+        if self.attention_backend == "flashinfer" and not self.device.startswith("cuda"):
+            raise UnsupportedConfigError("attention_backend='flashinfer' needs device='cuda'")
+        if self.page_size <= 0 or self.max_num_seqs <= 0 or self.max_prefill_tokens <= 0:
+            raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
+        if self.enable_prefix_caching and self.draft_path and self.speculative:
+            raise UnsupportedConfigError(
+                "prefix caching must be off with DFlash: readiness comes from each request's own prefill capture")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+    @property
+    def backend_name(self) -> str:
+        return self.attention_backend or ("flashinfer" if self.device.startswith("cuda") else "torch")

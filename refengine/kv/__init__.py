@@ -1,0 +1,4 @@
+from refengine.kv.allocator import BlockAllocator
+from refengine.kv.pool import KvPool, SpecReservation
+
+__all__ = ["BlockAllocator", "KvPool", "SpecReservation"]

@@ -1,0 +1,115 @@
+"""The paged KV pool: tensors allocated once, per-request committed lengths, lifetime reservations and the
+speculative transaction (schedule_speculative / speculative_view / apply_speculative / revert_schedule)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from refengine.errors import KvAllocationError
+from refengine.kv.allocator import BlockAllocator
+
+
+def blocks_for(tokens: int, page: int) -> int:
+    return -(-tokens // page)
+
+
+@dataclass
+class SpecReservation:
+    """One verify step's reservation: for each request, (start, span, blocks it allocated), in order."""
+    entries: list[tuple[int, int, int, int]] = field(default_factory=list)  # (req_id, start, span, new_blocks)
+
+
+class KvPool:
+    def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.page_size = page_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.seq_len: dict[int, int] = {}         # committed KV length per request
+        self.lifetime_blocks: dict[int, int] = {}  # blocks promised to each request for its whole life
+
+    # ---- admission and plain growth -------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def outstanding_promises(self) -> int:
+        return sum(n - len(self.allocator.table(r)) for r, n in self.lifetime_blocks.items())
+
+    def can_admit(self, lifetime_tokens: int) -> bool:
+        need = blocks_for(lifetime_tokens, self.page_size)
+        return need <= self.allocator.num_free - self.outstanding_promises()
+
+    def admit(self, req_id: int, lifetime_tokens: int) -> None:
+        if not self.can_admit(lifetime_tokens):
+            raise KvAllocationError(f"request {req_id}: {lifetime_tokens} tokens do not fit the free pool")
+        self.lifetime_blocks[req_id] = blocks_for(lifetime_tokens, self.page_size)
+        self.seq_len[req_id] = 0
+
+    def release(self, req_id: int) -> None:
+        self.allocator.free_request(req_id)
+        self.seq_len.pop(req_id, None)
+        self.lifetime_blocks.pop(req_id, None)
+
+    def _grow(self, req_id: int, new_len: int) -> int:
+        need = blocks_for(new_len, self.page_size) - len(self.allocator.table(req_id))
+        if need > 0:
+            if len(self.allocator.table(req_id)) + need > self.lifetime_blocks[req_id]:
+                raise KvAllocationError(f"request {req_id} grows past its lifetime reservation")
+            self.allocator.allocate(req_id, need)
+        return max(need, 0)
+
+    def extend(self, req_id: int, n: int) -> None:
+        """Plain (non-speculative) append of n tokens: prefill or decode."""
+        self._grow(req_id, self.seq_len[req_id] + n)
+        self.seq_len[req_id] += n
+
+    def slots(self, req_id: int, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids (block * page + offset) of positions [start, end) of a request."""
+        table = torch.tensor(self.allocator.table(req_id), dtype=torch.int64)
+        pos = torch.arange(start, end)
+        return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    # ---- the speculative transaction --------------------------------------------------------------------
+    def schedule_speculative(self, spans: dict[int, int]) -> SpecReservation:
+        """Reserve slots for each request's whole verify span, for all requests or for none."""
+        needs = {r: max(blocks_for(self.seq_len[r] + s, self.page_size) - len(self.allocator.table(r)), 0)
+                 for r, s in spans.items()}
+        if sum(needs.values()) > self.allocator.num_free:
+            raise KvAllocationError(f"speculative spans need {sum(needs.values())} blocks, "
+                                    f"{self.allocator.num_free} free")
+        res = SpecReservation()
+        for r, s in spans.items():
+            res.entries.append((r, self.seq_len[r], s, self._grow(r, self.seq_len[r] + s)))
+        return res
+
+    def speculative_view(self, res: SpecReservation) -> list[tuple[int, int, int]]:
+        """(req_id, start, span) for the verify forward: positions [start, start + span) are writable."""
+        return [(r, start, span) for r, start, span, _ in res.entries]
+
+    def apply_speculative(self, req_id: int, n_commit: int, res: SpecReservation) -> None:
+        entry = next(e for e in res.entries if e[0] == req_id)
+        if not 1 <= n_commit <= entry[2]:
+            raise KvAllocationError(f"request {req_id}: commit {n_commit} outside 1..span {entry[2]}")
+        self.seq_len[req_id] = entry[1] + n_commit
+
+    def revert_schedule(self, res: SpecReservation) -> None:
+        """Drop the unused tail of each reservation, last in first out, freeing blocks it had allocated."""
+        for r, _start, _span, new_blocks in reversed(res.entries):
+            if r not in self.seq_len:
+                continue  # released (finished) already: its blocks went back whole
+            keep = blocks_for(self.seq_len[r], self.page_size)
+            surplus = len(self.allocator.table(r)) - keep
+            self.allocator.free_tail(r, min(surplus, new_blocks))
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        for r, n in self.seq_len.items():
+            have = len(self.allocator.table(r))
+            if have < blocks_for(n, self.page_size):
+                raise AssertionError(f"request {r}: length {n} but only {have} blocks")
+            if have > self.lifetime_blocks[r]:
+                raise AssertionError(f"request {r}: {have} blocks over its lifetime promise {self.lifetime_blocks[r]}")

@@ -1,0 +1,115 @@
+"""Request, its sampling parameters, status and the per-request speculative statistics."""
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from refengine.errors import InvalidRequestError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    REJECTED = "rejected"
+
+
+class RejectReason(enum.Enum):
+    INVALID = "invalid"
+    CONTEXT_LENGTH = "context_length"
+    KV_BUDGET = "kv_budget"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Greedy only for now (temperature 0). `logprobs` > 0 returns that many top tokens per position
+    (and makes the request ineligible for speculation, as upstream)."""
+    max_tokens: int = 64
+    temperature: float = 0.0
+    logprobs: int = 0
+    prompt_logprobs: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature != 0.0:
+            raise InvalidRequestError(
+                f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented")
+        if not 0 <= self.logprobs <= 64:
+            raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..64")
+        if self.prompt_logprobs and self.logprobs == 0:
+            raise InvalidRequestError("prompt_logprobs needs logprobs > 0 (how many top tokens to return)")
+
+
+@dataclass
+class SpecStats:
+    """Acceptance statistics: tau = committed tokens per verify step."""
+    verify_steps: int = 0
+    committed_tokens: int = 0
+    accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def record(self, committed: int) -> None:
+        self.verify_steps += 1
+        self.committed_tokens += committed
+        self.accepted_hist[committed] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.verify_steps += other.verify_steps
+        self.committed_tokens += other.committed_tokens
+        self.accepted_hist.update(other.accepted_hist)
+        self.draft_s += other.draft_s
+        self.verify_s += other.verify_s
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    # Teacher forcing (scoring): commit these tokens instead of the argmax, recording top-k at each step.
+    forced_output_ids: list[int] | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    reject_reason: RejectReason | None = None
+    message: str = ""
+    # Top-k per scored position: (ids, logprobs); prompt positions first when prompt_logprobs.
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def committed_len(self) -> int:
+        """Tokens whose KV is committed: all but the current (last generated) token."""
+        return self.num_tokens - 1
+
+    def finish(self, reason: FinishReason, message: str = "") -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.message = message
+
+    def reject(self, reason: RejectReason, message: str) -> None:
+        self.reject_reason = reason
+        self.finish(FinishReason.REJECTED, message)

@@ -1,0 +1,3 @@
+from refengine.runner.model_runner import ModelRunner
+
+__all__ = ["ModelRunner"]

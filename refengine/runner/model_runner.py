@@ -1,0 +1,96 @@
+"""Turns a plan into batch tensors, runs the eager forward(s), and reads back argmax / top-k / features."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from refengine.attention.base import AttnBatch
+from refengine.scheduler import DecodePlan, PrefillPlan, StepResult, VerifyPlan
+
+
+class ModelRunner:
+    def __init__(self, target, pool, attention, lane=None):
+        self.target, self.pool, self.attention, self.lane = target, pool, attention, lane
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+
+    def _batch(self, spans: list[tuple[int, int, int]]) -> AttnBatch:
+        """spans: (req_id, start, q_len): rows at positions [start, start + q_len), KV already reserved."""
+        dev = self.target.device
+        slots = torch.cat([self.pool.slots(r, s, s + n) for r, s, n in spans]).to(dev)
+        positions = torch.cat([torch.arange(s, s + n) for _, s, n in spans]).to(dev)
+        return AttnBatch(q_lens=[n for _, _, n in spans], kv_lens=[s + n for _, s, n in spans],
+                         block_tables=[self.pool.allocator.table(r) for r, _, _ in spans],
+                         slots=slots, positions=positions)
+
+    def _sync(self) -> None:
+        if self.target.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def _run(self, tokens: list[list[int]], spans, capture: tuple[int, ...], score_rows: list[range],
+             topk_k: list[int]):
+        """One target forward. score_rows[i]: which of request i's rows need logits (relative indices)."""
+        batch = self._batch(spans)
+        ids = torch.tensor([t for ts in tokens for t in ts], device=self.target.device)
+        hidden, feats = self.target.forward(ids, batch, self.pool, self.attention, capture)
+        offsets = [0]
+        for n in batch.q_lens:
+            offsets.append(offsets[-1] + n)
+        rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
+        logits = self.target.logits(hidden[rows])  # [R, V] fp32, only for the rows that need them
+        argmax = logits.argmax(-1).tolist()
+        max_k = max(topk_k, default=0)
+        top = logits.log_softmax(-1).topk(max_k, dim=-1) if max_k else None
+        top_ids = top.indices.tolist() if top is not None else None
+        top_lp = top.values.tolist() if top is not None else None
+        out_argmax, out_topk, out_feats, r = [], [], [], 0
+        for i, rr in enumerate(score_rows):
+            n = len(rr)
+            out_argmax.append(argmax[r:r + n])
+            k = topk_k[i]
+            out_topk.append([(top_ids[j][:k], top_lp[j][:k]) for j in range(r, r + n)] if k else [])
+            out_feats.append(feats[offsets[i]:offsets[i + 1]] if feats is not None else None)
+            r += n
+        return out_argmax, out_topk, out_feats
+
+    def execute(self, plan) -> StepResult:
+        t0 = time.perf_counter()
+        if isinstance(plan, PrefillPlan):
+            reqs = plan.requests
+            spans = [(r.request_id, 0, len(r.prompt_ids)) for r in reqs]
+            score = [range(len(r.prompt_ids)) if r.params.prompt_logprobs else range(len(r.prompt_ids) - 1,
+                                                                                       len(r.prompt_ids))
+                     for r in reqs]
+            capture = self.lane.capture_layers if self.lane is not None and any(plan.capture) else ()
+            a, t, f = self._run([r.prompt_ids for r in reqs], spans, capture, score,
+                                [r.params.logprobs for r in reqs])
+            self._sync()
+            self.timings["prefill_s"] += time.perf_counter() - t0
+            return StepResult(a, t, f, [])
+        if isinstance(plan, DecodePlan):
+            reqs = plan.requests
+            spans = [(r.request_id, r.committed_len, 1) for r in reqs]
+            a, t, f = self._run([[r.output_ids[-1]] for r in reqs], spans, (), [range(1)] * len(reqs),
+                                [r.params.logprobs for r in reqs])
+            self._sync()
+            self.timings["decode_s"] += time.perf_counter() - t0
+            return StepResult(a, t, f, [])
+        assert isinstance(plan, VerifyPlan)
+        view = self.pool.speculative_view(plan.reservation)
+        drafts = self.lane.propose([(r.request_id, r.output_ids[-1], start, span)
+                                    for r, (_, start, span) in zip(plan.requests, view)])
+        self._sync()
+        t1 = time.perf_counter()
+        tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
+        a, t, f = self._run(tokens, view, self.lane.capture_layers, [range(s) for _, _, s in view],
+                            [0] * len(view))
+        self._sync()
+        t2 = time.perf_counter()
+        self.timings["draft_s"] += t1 - t0
+        self.timings["verify_s"] += t2 - t1
+        n = len(plan.requests)
+        for r in plan.requests:  # attribute the step's time evenly to the requests that shared it
+            r.spec.draft_s += (t1 - t0) / n
+            r.spec.verify_s += (t2 - t1) / n
+        return StepResult(a, t, f, drafts)

@@ -1,0 +1,178 @@
+"""Continuous batching: admission, and one plan per step (Prefill, Decode or Verify), then commit.
+
+Eligible (speculating) and ineligible requests take turns in separate plans, so one never switches
+speculation off for the other. Every KV reservation of a step is made here, before the runner executes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from refengine.errors import AlignmentError
+from refengine.kv.pool import KvPool, SpecReservation, blocks_for
+from refengine.request import FinishReason, RejectReason, Request, RequestStatus
+from refengine.spec.accept import build_verify_results
+
+
+@dataclass
+class PrefillPlan:
+    requests: list[Request]
+    capture: list[bool]          # capture drafter features for this request's prompt
+
+
+@dataclass
+class DecodePlan:
+    requests: list[Request]
+
+
+@dataclass
+class VerifyPlan:
+    requests: list[Request]
+    spans: list[int]             # min(B, remaining budget): a request never verifies past its budget
+    reservation: SpecReservation
+
+
+@dataclass
+class StepResult:
+    """What the runner hands back, per request of the plan, in plan order."""
+    argmax: list[list[int]]                       # per verify row (one row for prefill/decode)
+    topk: list[list[tuple[list[int], list[float]]]]
+    features: list[torch.Tensor | None]           # captured target features of the span rows
+    drafts: list[list[int]]
+
+
+class Scheduler:
+    def __init__(self, pool: KvPool, lane, *, vocab_size: int, eos_ids: tuple[int, ...], max_context: int,
+                 max_num_seqs: int, max_prefill_tokens: int):
+        self.pool, self.lane = pool, lane
+        self.vocab_size, self.eos_ids, self.max_context = vocab_size, set(eos_ids), max_context
+        self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._verify_turn = True
+
+    # ---- admission ---------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        """Queue a request, or finish it at once as REJECTED with a message naming the limit and numbers."""
+        n, p = len(req.prompt_ids), req.params
+        bad = [t for t in req.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if n == 0:
+            req.reject(RejectReason.INVALID, "empty prompt: at least one token is needed")
+        elif bad:
+            req.reject(RejectReason.INVALID, f"prompt ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
+        elif p.max_tokens <= 0:
+            req.reject(RejectReason.INVALID, f"max_tokens={p.max_tokens} must be >= 1")
+        elif req.forced_output_ids is not None and len(req.forced_output_ids) > p.max_tokens:
+            req.reject(RejectReason.INVALID, "forced_output_ids longer than max_tokens")
+        elif n + p.max_tokens > self.max_context:
+            req.reject(RejectReason.CONTEXT_LENGTH,
+                       f"prompt {n} + max_tokens {p.max_tokens} = {n + p.max_tokens} > max context "
+                       f"{self.max_context} tokens")
+        elif blocks_for(n + p.max_tokens, self.pool.page_size) > self.pool.num_blocks:
+            need = blocks_for(n + p.max_tokens, self.pool.page_size)
+            req.reject(RejectReason.KV_BUDGET,
+                       f"prompt {n} + max_tokens {p.max_tokens} needs {need} KV blocks of "
+                       f"{self.pool.page_size} tokens; the pool holds {self.pool.num_blocks}")
+        else:
+            self.waiting.append(req)
+
+    def eligible(self, req: Request) -> bool:
+        """Speculate only for greedy requests without logprobs or forced tokens, when a drafter is loaded."""
+        return self.lane is not None and req.params.logprobs == 0 and req.forced_output_ids is None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ----------------------------------------------------------------------------------------
+    def schedule(self):
+        admitted, tokens = [], 0
+        while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
+            req = self.waiting[0]
+            lifetime = len(req.prompt_ids) + req.params.max_tokens
+            if (admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens) or not self.pool.can_admit(lifetime):
+                break  # FIFO: later requests wait behind the head
+            self.waiting.popleft()
+            self.pool.admit(req.request_id, lifetime)
+            self.pool.extend(req.request_id, len(req.prompt_ids))
+            req.status = RequestStatus.RUNNING
+            admitted.append(req)
+            tokens += len(req.prompt_ids)
+        if admitted:
+            capture = [self.eligible(r) for r in admitted]
+            for r, c in zip(admitted, capture):
+                if c:
+                    self.lane.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
+            return PrefillPlan(admitted, capture)
+        spec = [r for r in self.running if self.eligible(r)]
+        plain = [r for r in self.running if not self.eligible(r)]
+        if spec and (self._verify_turn or not plain):
+            self._verify_turn = False
+            spans = [min(self.lane.block_size, r.remaining) for r in spec]
+            res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
+            return VerifyPlan(spec, spans, res)
+        if plain:
+            self._verify_turn = True
+            for r in plain:
+                self.pool.extend(r.request_id, 1)
+            return DecodePlan(plain)
+        return None
+
+    # ---- commit ------------------------------------------------------------------------------------------
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        for tok in tokens:
+            req.output_ids.append(tok)
+            if tok in self.eos_ids and not req.params.ignore_eos and req.forced_output_ids is None:
+                req.finish(FinishReason.EOS)
+                return
+            if len(req.output_ids) >= req.params.max_tokens:
+                req.finish(FinishReason.LENGTH)
+                return
+
+    def _next_token(self, req: Request, argmax: int) -> int:
+        forced = req.forced_output_ids
+        i = len(req.output_ids)
+        return forced[i] if forced is not None and i < len(forced) else argmax
+
+    def commit(self, plan, result: StepResult) -> None:
+        if isinstance(plan, PrefillPlan):
+            for i, req in enumerate(plan.requests):
+                self.running.append(req)
+                req.topk.extend(result.topk[i])
+                if plan.capture[i]:
+                    self.lane.append_pending_context(req.request_id, result.features[i], 0)
+                self._append(req, [self._next_token(req, result.argmax[i][-1])])
+        elif isinstance(plan, DecodePlan):
+            for i, req in enumerate(plan.requests):
+                req.topk.extend(result.topk[i])
+                self._append(req, [self._next_token(req, result.argmax[i][-1])])
+        else:
+            results = build_verify_results(result.drafts, result.argmax, self.eos_ids,
+                                           [r.params.ignore_eos for r in plan.requests])
+            for (req_id, start, _span), req, vr, feats in zip(
+                    self.pool.speculative_view(plan.reservation), plan.requests, results, result.features):
+                self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
+                self.lane.record_verify_dflash_context(req_id, feats, start, vr.committed)
+                req.spec.record(vr.committed)
+                self._append(req, list(vr.new_tokens))
+            self.pool.revert_schedule(plan.reservation)
+        self._retire_and_check()
+
+    def _retire_and_check(self) -> None:
+        keep = []
+        for req in self.running:
+            if req.finished:
+                self.pool.release(req.request_id)
+                if self.lane is not None:
+                    self.lane.release(req.request_id)
+                continue
+            keep.append(req)
+            kv = self.pool.seq_len[req.request_id]
+            if kv != req.committed_len:
+                raise AssertionError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
+            if self.eligible(req) and self.lane.context_rows(req.request_id) != kv:
+                raise AlignmentError(f"request {req.request_id}: drafter context rows "
+                                     f"{self.lane.context_rows(req.request_id)} != committed KV length {kv}")
+        self.running = keep

@@ -1,0 +1,109 @@
+"""The DFlash lane: each request's drafter context (cached context K/V per drafter layer, pending target
+features) and the batched propose. Hidden states never leave this file: the engine sees token spans only.
+
+Invariant after every commit (checked before every draft): drafter context rows == committed target KV
+length == position of the current token. Violations raise AlignmentError at once (no silent clamping).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from refengine.errors import AlignmentError
+from refengine.models.dflash import DFlashDrafter
+
+
+@dataclass
+class DraftContext:
+    capacity: int
+    k: list[torch.Tensor]          # per drafter layer: [capacity, nkv, d]
+    v: list[torch.Tensor]
+    length: int = 0                # context rows whose K/V are cached
+    pending: list[torch.Tensor] = field(default_factory=list)  # target features [rows, F*H], not yet projected
+    pending_rows: int = 0
+
+
+class DFlashLane:
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.block_size = drafter.cfg.block_size
+        self.capture_layers = drafter.cfg.target_layer_ids
+        self._ctx: dict[int, DraftContext] = {}
+
+    def start_request(self, req_id: int, capacity: int) -> None:
+        m, d = self.drafter.mcfg, self.drafter.fc
+        shape = (capacity, m.num_kv_heads, m.head_dim)
+        self._ctx[req_id] = DraftContext(
+            capacity=capacity,
+            k=[torch.empty(shape, dtype=d.dtype, device=d.device) for _ in range(m.num_layers)],
+            v=[torch.empty(shape, dtype=d.dtype, device=d.device) for _ in range(m.num_layers)])
+
+    def release(self, req_id: int) -> None:
+        self._ctx.pop(req_id, None)
+
+    def context_rows(self, req_id: int) -> int:
+        c = self._ctx[req_id]
+        return c.length + c.pending_rows
+
+    def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
+        """Queue target features for positions [first_position, first_position + rows)."""
+        c = self._ctx.get(req_id)
+        if c is None:
+            raise AlignmentError(f"request {req_id}: no drafter context (start_request was not called)")
+        if feats.dim() != 2 or feats.shape[1] != self.drafter.feature_width:
+            raise AlignmentError(f"request {req_id}: feature shape {list(feats.shape)}, "
+                                 f"expected [rows, {self.drafter.feature_width}]")
+        if first_position != c.length + c.pending_rows:
+            raise AlignmentError(f"request {req_id}: features start at position {first_position}, "
+                                 f"but the drafter context ends at {c.length + c.pending_rows}")
+        if first_position + feats.shape[0] > c.capacity:
+            raise AlignmentError(f"request {req_id}: context overflow, {first_position + feats.shape[0]} rows "
+                                 f"> capacity {c.capacity}")
+        c.pending.append(feats)
+        c.pending_rows += feats.shape[0]
+
+    def record_verify_dflash_context(self, req_id: int, verify_feats: torch.Tensor, start: int,
+                                     committed: int) -> None:
+        """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
+        features become context. The new current token (the bonus) has no features yet."""
+        self.append_pending_context(req_id, verify_feats[:committed], start)
+
+    def _flush_pending(self, req_ids: list[int]) -> None:
+        """Project every pending row of these requests at once (dense ops over all rows), then scatter."""
+        todo = [(r, self._ctx[r]) for r in req_ids if self._ctx[r].pending_rows]
+        if not todo:
+            return
+        feats = torch.cat([f for _, c in todo for f in c.pending])
+        positions = torch.cat([torch.arange(c.length, c.length + c.pending_rows) for _, c in todo])
+        kv = self.drafter.context_kv(feats, positions.to(feats.device))
+        row = 0
+        for _, c in todo:
+            n, dst = c.pending_rows, slice(c.length, c.length + c.pending_rows)
+            for li, (k, v) in enumerate(kv):
+                c.k[li][dst] = k[row:row + n]
+                c.v[li][dst] = v[row:row + n]
+            c.length += n
+            row += n
+            c.pending, c.pending_rows = [], 0
+
+    @torch.inference_mode()
+    def propose(self, items: list[tuple[int, int, int, int]]) -> list[list[int]]:
+        """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
+        a truncated span just uses fewer of its rows)."""
+        req_ids = [r for r, *_ in items]
+        self._flush_pending(req_ids)
+        b, dev = self.block_size, self.drafter.fc.device
+        for r, _tok, start, span in items:
+            if self._ctx[r].length != start:
+                raise AlignmentError(f"request {r}: drafter context has {self._ctx[r].length} rows, "
+                                     f"current token is at position {start}")
+            if not 1 <= span <= b:
+                raise AlignmentError(f"request {r}: span {span} outside 1..{b}")
+        tokens = torch.tensor([[tok] + [self.drafter.cfg.mask_token_id] * (b - 1) for _, tok, _, _ in items],
+                              device=dev).view(-1)
+        positions = torch.cat([torch.arange(s, s + b) for _, _, s, _ in items]).to(dev)
+        contexts = [[(c.k[li][:c.length], c.v[li][:c.length]) for li in range(len(c.k))]
+                    for c in (self._ctx[r] for r in req_ids)]
+        drafts = self.drafter.draft_logits(tokens, positions, contexts).argmax(-1).tolist()  # [N, B-1]
+        return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
