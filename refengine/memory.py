@@ -38,13 +38,17 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Union
 
 from refengine.config import DFlashConfig, ModelConfig, read_config_json
 from refengine.errors import RefEngineError, UnsupportedConfigError
 
 ACCOUNTINGS = ("upstream", "lane")
+PER_TOKEN_TERMS = ("draft_kv_bytes_per_token", "context_scratch_bytes_per_token",
+                   "tail_scratch_bytes_per_token", "pending_features_bytes_per_token")
+FIXED_TERMS = ("drafter_weights_bytes", "weights_slack_bytes", "batch_dense_scratch_bytes",
+               "batch_logits_scratch_bytes", "block_headroom_bytes")
 ConfigSource = Union[Mapping[str, Any], str, os.PathLike]
 
 
@@ -125,13 +129,11 @@ class DFlashMemoryReservation:
     # -- totals ---------------------------------------------------------------------------------------------
     @property
     def per_token_bytes(self) -> int:
-        return (self.draft_kv_bytes_per_token + self.context_scratch_bytes_per_token
-                + self.tail_scratch_bytes_per_token + self.pending_features_bytes_per_token)
+        return sum(getattr(self, name) for name in PER_TOKEN_TERMS)
 
     @property
     def fixed_bytes(self) -> int:
-        return (self.drafter_weights_bytes + self.weights_slack_bytes + self.batch_dense_scratch_bytes
-                + self.batch_logits_scratch_bytes + self.block_headroom_bytes)
+        return sum(getattr(self, name) for name in FIXED_TERMS)
 
     @property
     def effective_bytes_per_block(self) -> int:
@@ -144,7 +146,7 @@ class DFlashMemoryReservation:
 
     def terms(self) -> dict[str, int]:
         """Every byte term by name, per-token ones first (for printing and JSON)."""
-        return {k: v for k, v in asdict(self).items() if k.endswith("_bytes_per_token") or k.endswith("_bytes")}
+        return {name: getattr(self, name) for name in PER_TOKEN_TERMS + FIXED_TERMS}
 
     # -- what it covers ---------------------------------------------------------------------------------
     def pool_billed_tokens(self, lifetimes: Sequence[int]) -> int:

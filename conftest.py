@@ -1,0 +1,74 @@
+"""Shared pytest setup: markers, offline mode, and the model pairs every golden/lossless test runs on.
+
+Model pairs: the tiny random pair always; the trained tiny pair when its files exist; a real pair
+(e.g. Qwen3-4B + z-lab/Qwen3-4B-DFlash-b16) when REFENGINE_TARGET_PATH and REFENGINE_DRAFT_PATH are set.
+CPU tests run in fp32; tests marked `gpu` run in bf16 on CUDA and skip cleanly without it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent
+FIXTURES = ROOT / "fixtures"
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    name: str
+    target: Path
+    draft: Path
+    golden: Path | None  # stored golden data dir, when this pair has one
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return (self.target / "tokenizer.json").is_file()
+
+
+def model_pairs() -> list[ModelPair]:
+    pairs = []
+    for name in ("tiny-random", "tiny-trained"):
+        d = FIXTURES / name
+        if (d / "target" / "config.json").is_file() and (d / "draft" / "config.json").is_file():
+            g = ROOT / "golden" / "data" / name
+            pairs.append(ModelPair(name, d / "target", d / "draft", g if (g / "manifest.json").is_file() else None))
+    t, d = os.environ.get("REFENGINE_TARGET_PATH"), os.environ.get("REFENGINE_DRAFT_PATH")
+    if t and d:
+        pairs.append(ModelPair("real", Path(t), Path(d), None))
+    return pairs
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (bf16, FlashInfer); skipped without it")
+    config.addinivalue_line("markers", "slow: long-running (regeneration, big sweeps)")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (gpu marker)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=model_pairs(), ids=lambda p: p.name)
+def model_pair(request) -> ModelPair:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def random_pair() -> ModelPair:
+    return next(p for p in model_pairs() if p.name == "tiny-random")
