@@ -209,7 +209,7 @@ def _advice(utilization: float, reservation: DFlashMemoryReservation | None, con
             tips.append(f"lower the max decode batch (now {reservation.max_decode_batch}; the drafter's batch scratch "
                         f"and headroom take {mib(scratch)} MiB of the margin and scale with it)")
         if reservation.accounting == "upstream":
-            tips.append("use accounting='lane' (bills the drafter's lane-level scratch, not upstream's bound)")
+            tips.append("use the lane accounting (accounting='lane', --accounting lane: bills the lane's real scratch)")
     if utilization < 0.99:
         tips.append(f"raise the gpu memory utilisation (now {utilization:.2f})")
     if context is not None:  # only helps when full-length requests are what does not fit

@@ -10,13 +10,16 @@ from golden.records import TopKRecord
 from refengine import Engine, EngineConfig, SamplingParams
 
 
-def cpu_engine(target, draft=None, **kw) -> Engine:
-    return Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw))
+def cpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
+    """fp32 on the CPU with the torch attention backend. `proposer` replaces the DFlash lane (test proposers)."""
+    return Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw),
+                  proposer=proposer)
 
 
-def gpu_engine(target, draft=None, **kw) -> Engine:
+def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
+    """bf16 on CUDA with the FlashInfer backend."""
     return Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cuda",
-                               dtype="bfloat16", attention_backend="flashinfer", **kw))
+                               dtype="bfloat16", attention_backend="flashinfer", **kw), proposer=proposer)
 
 
 def score_sequences(engine: Engine, sequences: list[tuple[str, list[int], list[int]]], k: int = 8) -> list[TopKRecord]:

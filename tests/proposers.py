@@ -1,0 +1,74 @@
+"""Test proposers behind the same propose seam as the DFlash lane: they force acceptance patterns so the
+transaction (reserve, verify, accept, commit, roll back, context alignment) is exercised exactly.
+
+- oracle: replays the plain greedy continuation, so every verify step must commit exactly its span;
+- garbage: every first draft is wrong, so every step commits exactly one token (tau == 1);
+- noisy: a given function decides, per draft, whether it is replaced by a wrong token.
+They keep the same bookkeeping as the lane (context rows per request, alignment asserts), fed by real
+captured target features, but draft from the reference output instead of a model.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from refengine.errors import AlignmentError
+
+
+class ReplayProposer:
+    def __init__(self, block_size: int, vocab_size: int, corrupt: Callable[[int, int, int], bool] | None = None):
+        self.block_size = block_size
+        self.capture_layers = (0,)  # real features flow through the seam; only their row count matters here
+        self.vocab_size = vocab_size
+        self.corrupt = corrupt or (lambda req_id, step, j: False)
+        self._rows: dict[int, int] = {}
+        self._expect: dict[int, tuple[int, list[int]]] = {}
+        self._steps: dict[int, int] = {}
+
+    def expect(self, req_id: int, prompt_len: int, reference_output: list[int]) -> None:
+        self._expect[req_id] = (prompt_len, reference_output)
+
+    # ---- the seam (same names as DFlashLane) --------------------------------------------------------------
+    def start_request(self, req_id: int, capacity: int) -> None:
+        self._rows[req_id] = 0
+        self._steps[req_id] = 0
+
+    def release(self, req_id: int) -> None:
+        self._rows.pop(req_id, None)
+
+    def context_rows(self, req_id: int) -> int:
+        return self._rows[req_id]
+
+    def append_pending_context(self, req_id: int, feats, first_position: int) -> None:
+        if first_position != self._rows[req_id]:
+            raise AlignmentError(f"request {req_id}: rows start at {first_position}, context ends at {self._rows[req_id]}")
+        self._rows[req_id] += feats.shape[0]
+
+    def record_verify_dflash_context(self, req_id: int, verify_feats, start: int, committed: int) -> None:
+        self.append_pending_context(req_id, verify_feats[:committed], start)
+
+    def propose(self, items):
+        out = []
+        for req_id, current, start, span in items:
+            if self._rows[req_id] != start:
+                raise AlignmentError(f"request {req_id}: {self._rows[req_id]} context rows, current at {start}")
+            prompt_len, ref = self._expect[req_id]
+            i = start - prompt_len  # index of the current token in the output
+            assert ref[i] == current, f"request {req_id} left the reference at output {i}"
+            step = self._steps[req_id]
+            self._steps[req_id] += 1
+            drafts = []
+            for j in range(1, span):
+                tok = ref[i + j] if i + j < len(ref) else 0
+                if self.corrupt(req_id, step, j):
+                    tok = (tok + 1) % self.vocab_size
+                drafts.append(tok)
+            out.append(drafts)
+        return out
+
+
+def oracle(block_size: int, vocab_size: int) -> ReplayProposer:
+    return ReplayProposer(block_size, vocab_size)
+
+
+def garbage(block_size: int, vocab_size: int) -> ReplayProposer:
+    return ReplayProposer(block_size, vocab_size, corrupt=lambda req_id, step, j: j == 1)
