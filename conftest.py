@@ -46,6 +46,9 @@ def model_pairs() -> list[ModelPair]:
 
 
 def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)  # one intra-op thread per xdist worker: no oversubscription on small CI boxes
     config.addinivalue_line("markers", "gpu: needs CUDA (bf16, FlashInfer); skipped without it")
     config.addinivalue_line("markers", "slow: long-running (regeneration, big sweeps)")
 

@@ -64,4 +64,4 @@ def assert_same_tokens(got: list[int], want: list[int], label: str) -> None:
                              f"got {got[max(0, i - 3):i + 4]} want {want[max(0, i - 3):i + 4]}")
 
 
-torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+
