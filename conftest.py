@@ -46,9 +46,10 @@ def model_pairs() -> list[ModelPair]:
 
 
 def pytest_configure(config):
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
-        torch.set_num_threads(1)  # one intra-op thread per xdist worker: no oversubscription on small CI boxes
+    import torch
+    # One intra-op thread: tiny fp32 matmuls gain nothing from more, and on a 2-core box shared by xdist
+    # workers, oversubscribed OpenMP threads make them ~100x slower.
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "gpu: needs CUDA (bf16, FlashInfer); skipped without it")
     config.addinivalue_line("markers", "slow: long-running (regeneration, big sweeps)")
 

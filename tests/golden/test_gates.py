@@ -140,7 +140,7 @@ def test_misaligned_records_are_a_usage_error(hf_pair):
 def test_tolerances():
     assert BF16 == Tolerances(0.20, 0.06, 0.20, BF16.note) and MARGIN_TOL == 0.20
     assert FP32.margin < BF16.margin and FP32.head_delta_mean < BF16.head_delta_mean
-    assert FP32.head_delta_p99 < BF16.head_delta_p99 and "PLACEHOLDER" in FP32.note
+    assert FP32.head_delta_p99 < BF16.head_delta_p99 and "calibrated" in FP32.note
     assert gates.tolerances_for(torch.bfloat16) is BF16 and gates.tolerances_for(torch.float32) is FP32
     with pytest.raises(ValueError):
         gates.tolerances_for(torch.float16)
