@@ -7,9 +7,11 @@
 PATH is a checkpoint directory holding config.json, or the file itself. With --gpu-mem-gib the device is
 described, not read; without it (and with CUDA) free/total memory are read from the device. No weights are
 loaded either way, so what sits in memory before the pool is estimated: the target weights (exact, from
-config.json) plus --runtime-overhead-mib (CUDA context + a worst-case step's activation peak). Its default,
-2810 MiB, is what upstream's DFlash-off measurement on a 16 GB card leaves (see refengine/memory_plan.py);
-measure your own device and pass it. The last line printed is a JSON summary.
+config.json) plus --runtime-overhead-mib (CUDA context + a worst-case step's activation peak), one value for
+both rows or OFF,ON for two launches. Its default, 2810,2711 MiB, is what upstream's two launches on a 16 GB
+card measured (solved back from its table, see refengine/memory_plan.py), so `--gpu-mem-gib 16` prints that
+table; measure your own device (refengine.memory_plan.profile_activation_peak) and pass it. The last line
+printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -24,7 +26,18 @@ from refengine.memory import ACCOUNTINGS, DFlashMemoryReservation, KvBudgetError
 from refengine.memory_plan import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_MARGIN_BYTES, GiB, MiB,
                                    DeviceMemory, KvBudgetPlan, mib, plan_kv_budget, read_device_memory)
 
-DEFAULT_RUNTIME_OVERHEAD_MIB = 2810
+DEFAULT_RUNTIME_OVERHEAD_MIB = "2810,2711"  # upstream's DFlash-off and DFlash-on launches (memory_plan docstring)
+
+
+def _overheads(text: str) -> tuple[float, float]:
+    """'X' (both rows) or 'OFF,ON' in MiB."""
+    try:
+        parts = [float(v) for v in str(text).split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--runtime-overhead-mib wants MiB as X or OFF,ON, got {text!r}") from e
+    if len(parts) not in (1, 2) or min(parts) < 0:
+        raise argparse.ArgumentTypeError(f"--runtime-overhead-mib wants X or OFF,ON (>= 0), got {text!r}")
+    return (parts[0], parts[-1])
 
 HEADER = ("", "margin MiB", "KV budget MiB", "blocks", "B/block eff", "max context", "full-length reqs")
 
@@ -40,8 +53,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, help="tokens per full-length request (default: the model's limit)")
     p.add_argument("--accounting", choices=ACCOUNTINGS, default="upstream")
     p.add_argument("--margin-mib", type=int, default=DEFAULT_KV_MARGIN_BYTES // MiB)
-    p.add_argument("--runtime-overhead-mib", type=float, default=DEFAULT_RUNTIME_OVERHEAD_MIB,
-                   help="CUDA context + worst-case activation peak, on top of the target weights")
+    p.add_argument("--runtime-overhead-mib", type=_overheads, default=_overheads(DEFAULT_RUNTIME_OVERHEAD_MIB),
+                   help="CUDA context + worst-case activation peak on top of the target weights, MiB: X for both "
+                        "rows or OFF,ON per launch (default: upstream's measured 2810,2711)")
 
 
 def add_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -98,17 +112,17 @@ def run_memory(args: argparse.Namespace) -> int:
     except RefEngineError as e:
         print(f"refengine memory: {e}", file=sys.stderr)
         return 2
-    overhead = int(args.runtime_overhead_mib * MiB)
+    overheads = {"off": int(args.runtime_overhead_mib[0] * MiB), "on": int(args.runtime_overhead_mib[1] * MiB)}
     print(f"device: {mib(device.total_bytes)} MiB total, {mib(device.free_bytes)} MiB free ({device.source}); "
           f"utilisation {args.util:.2f}")
-    print(f"before the pool: target weights {mib(weights)} MiB (config.json) + runtime overhead {mib(overhead)} MiB "
-          f"(--runtime-overhead-mib) + margin {args.margin_mib} MiB")
+    print(f"before the pool: target weights {mib(weights)} MiB (config.json) + runtime overhead off "
+          f"{mib(overheads['off'])} / on {mib(overheads['on'])} MiB (--runtime-overhead-mib) + margin {args.margin_mib} MiB")
     if reservation is not None:
         _print_reservation(reservation)
 
     summary: dict[str, Any] = {"command": "memory", "total_bytes": device.total_bytes,
                                "free_bytes": device.free_bytes, "device_source": device.source,
-                               "target_weights_bytes": weights, "runtime_overhead_bytes": overhead,
+                               "target_weights_bytes": weights, "runtime_overhead_bytes": overheads,
                                "reservation": None if reservation is None else
                                {"accounting": reservation.accounting, **reservation.terms(),
                                 "per_token_bytes": reservation.per_token_bytes,
@@ -123,7 +137,7 @@ def run_memory(args: argparse.Namespace) -> int:
         limit = res.max_context_tokens if res else target.max_position_embeddings
         try:
             plan = plan_kv_budget(loaded, target_config=target, gpu_memory_utilization=args.util, reservation=res,
-                                  activation_peak_bytes=overhead, margin_bytes=args.margin_mib * MiB,
+                                  activation_peak_bytes=overheads[key], margin_bytes=args.margin_mib * MiB,
                                   page_size=args.page_size,
                                   max_context_tokens=min(args.max_context or limit, limit))
         except RefEngineError as e:
