@@ -148,7 +148,11 @@ class EngineConfig:
     dtype: str | None = None              # default: float32 on cpu, bfloat16 on cuda
     attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
     page_size: int = 16
-    num_blocks: int | None = None         # default: enough for max_num_seqs full-context requests (capped)
+    num_blocks: int | None = None         # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
+    gpu_memory_utilization: float = 0.90  # cuda: share of total memory the planner may give the process
+    memory_accounting: str = "upstream"   # DFlash reservation: "upstream" (as upstream bills) or "lane" (tight)
+    max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window)
+    synthetic_weights: bool = False       # random weights from config.json alone (benchmarks, memory tests)
     max_num_seqs: int = 64
     max_prefill_tokens: int = 8192
     speculative: bool = True              # use the drafter when one is given
@@ -169,6 +173,12 @@ class EngineConfig:
             raise UnsupportedConfigError("attention_backend='flashinfer' needs device='cuda'")
         if self.page_size <= 0 or self.max_num_seqs <= 0 or self.max_prefill_tokens <= 0:
             raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise UnsupportedConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.memory_accounting not in ("upstream", "lane"):
+            raise UnsupportedConfigError(f"memory_accounting={self.memory_accounting!r}: use 'upstream' or 'lane'")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
         if self.enable_prefix_caching and self.draft_path and self.speculative:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import torch
 
 from refengine.attention import make_backend
-from refengine.config import EngineConfig
+from refengine.config import DFlashConfig, EngineConfig, read_config_json
 from refengine.errors import UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
@@ -18,7 +17,6 @@ from refengine.scheduler import Scheduler
 from refengine.spec.lane import DFlashLane
 
 CPU_KV_BYTES = 256 * 1024 * 1024   # default KV pool on the CPU
-CUDA_KV_FRACTION = 0.5              # default share of free GPU memory for the pool (the planner refines this)
 
 
 class Engine:
@@ -27,17 +25,23 @@ class Engine:
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedConfigError(f"device={config.device!r} but torch sees no CUDA device")
-        self.target = Qwen3Model.load(config.target_path, dtype=dtype, device=config.device)
+        self.target = Qwen3Model.load(config.target_path, dtype=dtype, device=config.device,
+                                      synthetic=config.synthetic_weights)
         tcfg = self.target.cfg
-        self.drafter = DFlashDrafter.load(config.draft_path, self.target) if config.draft_path else None
-        if proposer is not None:
-            self.lane = proposer
-        elif self.drafter is not None and config.speculative:
-            self.lane = DFlashLane(self.drafter)
-        else:
-            self.lane = None
-        self.max_context = self.max_context_tokens()
-        num_blocks = config.num_blocks or self._default_num_blocks(dtype)
+        draft_cfg = None
+        if config.draft_path:
+            draft_cfg = DFlashConfig.from_hf(read_config_json(config.draft_path))
+            draft_cfg.check_fits(tcfg)
+        self.speculating = proposer is not None or (draft_cfg is not None and config.speculative)
+        self.max_context = self._max_context(draft_cfg)
+        # Plan the pool with the target resident and before the drafter loads: the reservation bills the
+        # drafter's weights itself, so reading device memory after loading it would count them twice.
+        self.kv_plan = None
+        num_blocks = config.num_blocks or self._default_num_blocks(dtype, draft_cfg)
+        self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
+                        if draft_cfg is not None else None)
+        self.lane = proposer if proposer is not None else (
+            DFlashLane(self.drafter) if self.drafter is not None and config.speculative else None)
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
                            dtype, self.target.device)
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
@@ -48,24 +52,26 @@ class Engine:
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
-    def max_context_tokens(self) -> int:
+    def _max_context(self, draft_cfg: DFlashConfig | None) -> int:
         """The target's window; with DFlash on, the drafter's in-fill block writes B positions past the
-        committed length, so its window minus B bounds the context too."""
+        committed length, so its window minus B bounds the context too. max_model_len caps both."""
         limit = self.target.cfg.max_position_embeddings
-        if self.lane is not None and self.drafter is not None:
-            limit = min(limit, self.drafter.mcfg.max_position_embeddings - self.drafter.cfg.block_size)
-        return limit
+        if self.speculating and draft_cfg is not None:
+            limit = min(limit, draft_cfg.model.max_position_embeddings - draft_cfg.block_size)
+        return min(limit, self.config.max_model_len or limit)
 
-    def _default_num_blocks(self, dtype: torch.dtype) -> int:
+    def max_context_tokens(self) -> int:
+        return self.max_context
+
+    def _default_num_blocks(self, dtype: torch.dtype, draft_cfg: DFlashConfig | None) -> int:
         c = self.target.cfg
-        bytes_per_block = 2 * c.num_layers * self.config.page_size * c.kv_dim * torch.finfo(dtype).bits // 8
         if self.target.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.target.device)
-            budget = int(free * CUDA_KV_FRACTION)
-        else:
-            budget = CPU_KV_BYTES
+            from refengine.runner.planning import plan_pool
+            self.kv_plan = plan_pool(self, draft_cfg if self.speculating else None)
+            return self.kv_plan.num_blocks
+        bytes_per_block = 2 * c.num_layers * self.config.page_size * c.kv_dim * torch.finfo(dtype).bits // 8
         wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
-        return max(1, min(wanted, budget // bytes_per_block))
+        return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
 
     # ---- the public API ----------------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
@@ -84,8 +90,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        result = self.runner.execute(plan)
-        self.scheduler.commit(plan, result)
+        self.scheduler.commit(plan, self.runner.execute(plan))
         done = [r for r in plan.requests if r.finished]
         self.finished.extend(done)
         return done
@@ -119,10 +124,3 @@ class Engine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-
-    def timed_generate(self, prompts, params=None) -> tuple[list[Request], float]:
-        t0 = time.perf_counter()
-        reqs = self.generate(prompts, params)
-        if self.target.device.type == "cuda":
-            torch.cuda.synchronize()
-        return reqs, time.perf_counter() - t0

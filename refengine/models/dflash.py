@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from refengine.config import DFlashConfig, read_config_json
 from refengine.errors import UnsupportedConfigError
 from refengine.models.layers import DecoderLayerWeights, Rope, mlp_residual, project_qkv, rms_norm
-from refengine.models.loader import TensorSource
+from refengine.models.loader import tensor_source
 from refengine.models.qwen3 import Qwen3Model
 
 
@@ -32,7 +32,7 @@ class DFlashDrafter:
         self.rope = Rope(self.mcfg.head_dim, self.mcfg.rope_theta, self.mcfg.max_position_embeddings, fc.device)
 
     @classmethod
-    def load(cls, path: str | Path, target: Qwen3Model) -> "DFlashDrafter":
+    def load(cls, path: str | Path, target: Qwen3Model, synthetic: bool = False) -> "DFlashDrafter":
         cfg = DFlashConfig.from_hf(read_config_json(path))
         cfg.check_fits(target.cfg)
         m = cfg.model
@@ -40,7 +40,7 @@ class DFlashDrafter:
             # not required by the maths, but every published pair shares it and the kernels assume it
             raise UnsupportedConfigError(
                 f"drafter does not fit its target: head_dim {m.head_dim} != target {target.cfg.head_dim}")
-        src = TensorSource(path)
+        src = tensor_source(path, synthetic)
         dtype, device = target.dtype, target.device
         h, nf = m.hidden_size, len(cfg.target_layer_ids)
         fc = src.get("fc.weight", (h, nf * h), dtype, device)
@@ -71,11 +71,12 @@ class DFlashDrafter:
         return out
 
     def draft_logits(self, block_tokens: torch.Tensor, positions: torch.Tensor,
-                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> torch.Tensor:
+                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], fp32: bool = True) -> torch.Tensor:
         """N blocks of B rows. block_tokens/positions: [N*B]; contexts[i][layer] = (K [Lc_i, nkv, d], V).
 
-        Dense ops run once over all N*B rows; only attention loops per request. Returns fp32 logits
-        [N, B-1, V] for block rows 1..B-1 (row j predicts position start + j)."""
+        Dense ops run once over all N*B rows; only attention loops per request. Returns logits [N, B-1, V]
+        for block rows 1..B-1 (row j predicts position start + j), in fp32 or (fp32=False, for argmax
+        without an fp32 copy of the largest buffer) in the model dtype."""
         m, b = self.mcfg, self.cfg.block_size
         n = block_tokens.shape[0] // b
         group = m.num_heads // m.num_kv_heads
@@ -93,4 +94,5 @@ class DFlashDrafter:
             h = h + F.linear(attn.reshape(n * b, -1), w.o_proj)
             h = mlp_residual(w, h, m.rms_norm_eps)
         z = rms_norm(h.view(n, b, -1)[:, 1:], self.norm, m.rms_norm_eps)  # [N, B-1, H]
-        return F.linear(z, self.lm_head).float()
+        logits = F.linear(z, self.lm_head)
+        return logits.float() if fp32 else logits

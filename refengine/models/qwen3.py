@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from refengine.config import ModelConfig, read_config_json
 from refengine.models.layers import DecoderLayerWeights, Rope, mlp_residual, project_qkv, rms_norm
-from refengine.models.loader import TensorSource
+from refengine.models.loader import tensor_source
 
 
 class Qwen3Model:
@@ -27,9 +27,10 @@ class Qwen3Model:
 
     @classmethod
     def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "Qwen3Model":
+             device: str | torch.device = "cpu", synthetic: bool = False) -> "Qwen3Model":
+        """Load by HF names; synthetic=True draws seeded random weights from config.json alone."""
         cfg = ModelConfig.from_hf(read_config_json(path))
-        src = TensorSource(path)
+        src = tensor_source(path, synthetic)
         device = torch.device(device)
         h, v = cfg.hidden_size, cfg.vocab_size
         embed = src.get("model.embed_tokens.weight", (v, h), dtype, device)

@@ -91,12 +91,12 @@ class DFlashLane:
     def propose(self, items: list[tuple[int, int, int, int]]) -> list[list[int]]:
         """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
         a truncated span just uses fewer of its rows)."""
-        drafts = self.propose_logits(items).argmax(-1).tolist()  # [N, B-1]
+        drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
         return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
 
     @torch.inference_mode()
-    def propose_logits(self, items: list[tuple[int, int, int, int]]) -> torch.Tensor:
-        """The drafter's fp32 logits [N, B-1, V] for rows 1..B-1 of each request's block."""
+    def propose_logits(self, items: list[tuple[int, int, int, int]], fp32: bool = True) -> torch.Tensor:
+        """The drafter's logits [N, B-1, V] for rows 1..B-1 of each request's block."""
         req_ids = [r for r, *_ in items]
         self._flush_pending(req_ids)
         b, dev = self.block_size, self.drafter.fc.device
@@ -111,4 +111,4 @@ class DFlashLane:
         positions = torch.cat([torch.arange(s, s + b) for _, _, s, _ in items]).to(dev)
         contexts = [[(c.k[li][:c.length], c.v[li][:c.length]) for li in range(len(c.k))]
                     for c in (self._ctx[r] for r in req_ids)]
-        return self.drafter.draft_logits(tokens, positions, contexts)
+        return self.drafter.draft_logits(tokens, positions, contexts, fp32=fp32)
