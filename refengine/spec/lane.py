@@ -13,6 +13,8 @@ import torch
 from refengine.errors import AlignmentError
 from refengine.models.dflash import DFlashDrafter
 
+FLUSH_ROWS = 4096  # context rows projected per chunk (bounds the flush transient)
+
 
 @dataclass
 class DraftContext:
@@ -70,22 +72,39 @@ class DFlashLane:
         self.append_pending_context(req_id, verify_feats[:committed], start)
 
     def _flush_pending(self, req_ids: list[int]) -> None:
-        """Project every pending row of these requests at once (dense ops over all rows), then scatter."""
-        todo = [(r, self._ctx[r]) for r in req_ids if self._ctx[r].pending_rows]
-        if not todo:
-            return
-        feats = torch.cat([f for _, c in todo for f in c.pending])
-        positions = torch.cat([torch.arange(c.length, c.length + c.pending_rows) for _, c in todo])
-        kv = self.drafter.context_kv(feats, positions.to(feats.device))
-        row = 0
-        for _, c in todo:
-            n, dst = c.pending_rows, slice(c.length, c.length + c.pending_rows)
-            for li, (k, v) in enumerate(kv):
-                c.k[li][dst] = k[row:row + n]
-                c.v[li][dst] = v[row:row + n]
-            c.length += n
-            row += n
+        """Project pending rows (dense ops over many rows at once), then scatter into each context buffer.
+
+        Rows go in chunks of at most FLUSH_ROWS so the transient (fc output, fp32 norm, per-layer K/V) stays
+        bounded when many long prompts were prefilled before the first draft."""
+        chunk: list[tuple[DraftContext, int, torch.Tensor]] = []  # (context, first position, rows)
+        rows = 0
+        for c in (self._ctx[r] for r in req_ids):
+            pos = c.length
+            for f in c.pending:
+                for lo in range(0, f.shape[0], FLUSH_ROWS):
+                    part = f[lo:lo + FLUSH_ROWS]
+                    if rows + part.shape[0] > FLUSH_ROWS:
+                        self._project(chunk)
+                        chunk, rows = [], 0
+                    chunk.append((c, pos, part))
+                    pos += part.shape[0]
+                    rows += part.shape[0]
             c.pending, c.pending_rows = [], 0
+        if chunk:
+            self._project(chunk)
+
+    def _project(self, chunk: list[tuple[DraftContext, int, torch.Tensor]]) -> None:
+        feats = torch.cat([f for _, _, f in chunk])  # [R, F*H]
+        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, p, f in chunk]).to(feats.device)
+        kv = self.drafter.context_kv(feats, positions)
+        row = 0
+        for c, p, f in chunk:
+            n = f.shape[0]
+            for li, (k, v) in enumerate(kv):
+                c.k[li][p:p + n] = k[row:row + n]
+                c.v[li][p:p + n] = v[row:row + n]
+            c.length = p + n
+            row += n
 
     @torch.inference_mode()
     def propose(self, items: list[tuple[int, int, int, int]]) -> list[list[int]]:
