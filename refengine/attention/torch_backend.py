@@ -30,10 +30,10 @@ class TorchPagedAttention:
         kc = self.pool.k[layer].view(-1, *self.pool.k[layer].shape[2:])  # [slots, Hkv, D]
         vc = self.pool.v[layer].view(-1, *self.pool.v[layer].shape[2:])
         out = torch.empty_like(q)
-        group = q.shape[1] // kc.shape[1]
         for row, q_len, slots, mask in self._plan:
-            k = kc[slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, kv, D]
-            v = vc[slots].repeat_interleave(group, dim=1).transpose(0, 1)
-            qi = q[row:row + q_len].transpose(0, 1)                         # [Hq, q, D]
-            out[row:row + q_len] = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1)
+            k = kc[slots].transpose(0, 1)                # [Hkv, kv, D]
+            v = vc[slots].transpose(0, 1)
+            qi = q[row:row + q_len].transpose(0, 1)      # [Hq, q, D]; GQA: kv head = q head // group
+            out[row:row + q_len] = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask,
+                                                                  enable_gqa=True).transpose(0, 1)
         return out

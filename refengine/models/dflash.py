@@ -71,26 +71,31 @@ class DFlashDrafter:
         return out
 
     def draft_logits(self, block_tokens: torch.Tensor, positions: torch.Tensor,
-                     contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], fp32: bool = True) -> torch.Tensor:
-        """N blocks of B rows. block_tokens/positions: [N*B]; contexts[i][layer] = (K [Lc_i, nkv, d], V).
+                     kv_buffers: list[list[tuple[torch.Tensor, torch.Tensor]]], ctx_lens: list[int],
+                     fp32: bool = True) -> torch.Tensor:
+        """N blocks of B rows. block_tokens/positions: [N*B]. kv_buffers[i][layer] = (K, V) buffers
+        [>= ctx_lens[i] + B, nkv, d] holding request i's context K/V in rows [0, ctx_lens[i]).
 
-        Dense ops run once over all N*B rows; only attention loops per request. Returns logits [N, B-1, V]
-        for block rows 1..B-1 (row j predicts position start + j), in fp32 or (fp32=False, for argmax
-        without an fp32 copy of the largest buffer) in the model dtype."""
+        The block's own K/V are written into rows [ctx_len, ctx_len + B) of those buffers, so attention
+        reads one contiguous view with no copy; they are scratch (never part of the context): the next
+        committed context rows overwrite them. Dense ops run once over all N*B rows; only attention loops per
+        request. Returns logits [N, B-1, V] for block rows 1..B-1 (row j predicts position start + j), in
+        fp32 or (fp32=False, argmax without an fp32 copy of the largest buffer) in the model dtype."""
         m, b = self.mcfg, self.cfg.block_size
         n = block_tokens.shape[0] // b
-        group = m.num_heads // m.num_kv_heads
         h = self.embed_tokens[block_tokens]  # [N*B, H]
         for li, w in enumerate(self.layers):
             q, kb, vb = project_qkv(w, rms_norm(h, w.input_norm, m.rms_norm_eps), m, self.rope, positions)
             attn = torch.empty_like(q)  # [N*B, nh, d]
             for i in range(n):
-                rows = slice(i * b, (i + 1) * b)
-                ck, cv = contexts[i][li]
-                k = torch.cat([ck, kb[rows]]).repeat_interleave(group, dim=1).transpose(0, 1)  # [nh, Lc+B, d]
-                v = torch.cat([cv, vb[rows]]).repeat_interleave(group, dim=1).transpose(0, 1)
-                # non-causal: every block row sees all context and all block keys
-                attn[rows] = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k, v).transpose(0, 1)
+                rows, end = slice(i * b, (i + 1) * b), ctx_lens[i] + b
+                kbuf, vbuf = kv_buffers[i][li]
+                kbuf[ctx_lens[i]:end] = kb[rows]
+                vbuf[ctx_lens[i]:end] = vb[rows]
+                # non-causal: every block row sees all context and all block keys (GQA without a copy)
+                attn[rows] = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1), kbuf[:end].transpose(0, 1), vbuf[:end].transpose(0, 1),
+                    enable_gqa=True).transpose(0, 1)
             h = h + F.linear(attn.reshape(n * b, -1), w.o_proj)
             h = mlp_residual(w, h, m.rms_norm_eps)
         z = rms_norm(h.view(n, b, -1)[:, 1:], self.norm, m.rms_norm_eps)  # [N, B-1, H]

@@ -84,6 +84,7 @@ class Qwen3Model:
         feats = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return rms_norm(h, self.final_norm, self.cfg.rms_norm_eps), feats
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normed hidden [R, H] -> fp32 logits [R, V]."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Normed hidden [R, H] -> logits [R, V] (fp32, or the model dtype for an argmax without a copy)."""
+        logits = F.linear(hidden, self.lm_head)
+        return logits.float() if fp32 else logits

@@ -38,10 +38,10 @@ class ModelRunner:
         for n in batch.q_lens:
             offsets.append(offsets[-1] + n)
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
-        logits = self.target.logits(hidden[rows])  # [R, V] fp32, only for the rows that need them
-        argmax = logits.argmax(-1).tolist()
+        logits = self.target.logits(hidden[rows], fp32=False)  # [R, V], only for the rows that need them
+        argmax = logits.argmax(-1).tolist()  # exact in the model dtype: the fp32 cast is monotone
         max_k = max(topk_k, default=0)
-        top = logits.log_softmax(-1).topk(max_k, dim=-1) if max_k else None
+        top = logits.float().log_softmax(-1).topk(max_k, dim=-1) if max_k else None
         top_ids = top.indices.tolist() if top is not None else None
         top_lp = top.values.tolist() if top is not None else None
         out_argmax, out_topk, out_feats, r = [], [], [], 0

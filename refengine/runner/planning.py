@@ -12,35 +12,38 @@ from refengine.memory import DFlashMemoryReservation
 from refengine.memory_plan import KvBudgetPlan, plan_kv_budget, profile_activation_peak, read_device_memory
 
 
-def worst_case_rows(engine) -> int:
-    """Most rows one forward can carry: a full prefill chunk, a single long prompt (admitted alone even past
-    max_prefill_tokens), or every running request's verify span."""
+def worst_case_shapes(engine) -> list[tuple[int, int]]:
+    """(rows, rows needing logits) of the largest forwards: the longest prefill (a full chunk, or one long
+    prompt admitted alone past max_prefill_tokens) with one logits row, and every running request's verify
+    span with logits on every row."""
     c = engine.config
     span = 16 if engine.speculating else 1
-    return max(min(c.max_prefill_tokens, engine.max_context), engine.max_context, c.max_num_seqs * span)
+    prefill = max(min(c.max_prefill_tokens, engine.max_context), engine.max_context)
+    return [(prefill, 1), (c.max_num_seqs * span, c.max_num_seqs * span)]
 
 
-def profile_worst_step(engine, capture: tuple[int, ...]) -> int:
-    """Activation peak (bytes) of one worst-case target forward, the temporary KV it needs excluded."""
+def profile_step(engine, capture: tuple[int, ...], rows: int, logit_rows: int) -> int:
+    """Activation peak (bytes) of one target forward of `rows` rows, the temporary KV it needs excluded.
+    The attention backend (FlashInfer's workspace) is built inside the measured step: the engine allocates
+    its own after planning, so it belongs to what the plan must leave room for."""
     cfg, t = engine.target.cfg, engine.target
-    rows = worst_case_rows(engine)
     page = engine.config.page_size
     pool = KvPool(cfg.num_layers, blocks_for(rows, page), page, cfg.num_kv_heads, cfg.head_dim, t.dtype, t.device)
     kv_bytes = sum(x.numel() * x.element_size() for x in pool.k + pool.v)
     pool.admit(0, rows)
     pool.extend(0, rows)
-    attention = make_backend(engine.config.backend_name, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     ids = torch.zeros(rows, dtype=torch.long, device=t.device)
     batch = AttnBatch(q_lens=[rows], kv_lens=[rows], block_tables=[pool.allocator.table(0)],
                       slots=pool.slots(0, 0, rows).to(t.device), positions=torch.arange(rows, device=t.device))
 
     def step():
+        attention = make_backend(engine.config.backend_name, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         with torch.inference_mode():
             hidden, _feats = t.forward(ids, batch, pool, attention, capture)
-            t.logits(hidden[-1:])
+            t.logits(hidden[-logit_rows:], fp32=False).argmax(-1)
 
     peak = profile_activation_peak(step, str(t.device), temporary_kv_bytes=kv_bytes)
-    del pool, attention, batch
+    del pool, batch
     torch.cuda.empty_cache()
     return peak.non_kv_peak_increase_bytes
 
@@ -58,7 +61,8 @@ def plan_pool(engine, draft_cfg: DFlashConfig | None) -> KvBudgetPlan:
     # what the device holds outside torch's allocator (CUDA context, other processes): lets a caller turn
     # torch.cuda.max_memory_reserved() into a device-level peak to hold against the plan
     engine.kv_plan_outside_torch_bytes = device.used_bytes - torch.cuda.memory_reserved(dev)
-    activation = profile_worst_step(engine, draft_cfg.target_layer_ids if draft_cfg is not None else ())
+    capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
+    activation = max(profile_step(engine, capture, rows, logit_rows) for rows, logit_rows in worst_case_shapes(engine))
     return plan_kv_budget(device, target_config=engine.target.cfg, gpu_memory_utilization=c.gpu_memory_utilization,
                           reservation=reservation, activation_peak_bytes=activation, page_size=c.page_size,
                           dtype_bytes=dtype_bytes, max_context_tokens=engine.max_context)

@@ -18,8 +18,8 @@ FLUSH_ROWS = 4096  # context rows projected per chunk (bounds the flush transien
 
 @dataclass
 class DraftContext:
-    capacity: int
-    k: list[torch.Tensor]          # per drafter layer: [capacity, nkv, d]
+    capacity: int                  # context rows it can hold (prompt + max_tokens)
+    k: list[torch.Tensor]          # per drafter layer: [capacity + B, nkv, d]; the B tail rows are block scratch
     v: list[torch.Tensor]
     length: int = 0                # context rows whose K/V are cached
     pending: list[torch.Tensor] = field(default_factory=list)  # target features [rows, F*H], not yet projected
@@ -35,7 +35,7 @@ class DFlashLane:
 
     def start_request(self, req_id: int, capacity: int) -> None:
         m, d = self.drafter.mcfg, self.drafter.fc
-        shape = (capacity, m.num_kv_heads, m.head_dim)
+        shape = (capacity + self.block_size, m.num_kv_heads, m.head_dim)
         self._ctx[req_id] = DraftContext(
             capacity=capacity,
             k=[torch.empty(shape, dtype=d.dtype, device=d.device) for _ in range(m.num_layers)],
@@ -128,6 +128,6 @@ class DFlashLane:
         tokens = torch.tensor([[tok] + [self.drafter.cfg.mask_token_id] * (b - 1) for _, tok, _, _ in items],
                               device=dev).view(-1)
         positions = torch.cat([torch.arange(s, s + b) for _, _, s, _ in items]).to(dev)
-        contexts = [[(c.k[li][:c.length], c.v[li][:c.length]) for li in range(len(c.k))]
-                    for c in (self._ctx[r] for r in req_ids)]
-        return self.drafter.draft_logits(tokens, positions, contexts, fp32=fp32)
+        ctxs = [self._ctx[r] for r in req_ids]
+        return self.drafter.draft_logits(tokens, positions, [list(zip(c.k, c.v)) for c in ctxs],
+                                         [c.length for c in ctxs], fp32=fp32)

@@ -66,8 +66,9 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
     assert max_running == fit, f"admission let {max_running} run at once, the pool fits {fit}"
 
     measured = engine.kv_plan_outside_torch_bytes + device_peak
-    lane_reserved_per_token = res.per_token_bytes * res.pool_billed_tokens([LIFETIME] * fit)
-    lane_reserved_scratch = res.batch_dense_scratch_bytes + res.batch_logits_scratch_bytes + res.block_headroom_bytes
+    lane_reserved_per_token = res.per_token_bytes * res.pool_billed_tokens([LIFETIME] * fit) \
+        + res.block_headroom_bytes * fit // res.max_decode_batch  # each request's B block-scratch rows
+    lane_reserved_scratch = res.batch_dense_scratch_bytes + res.batch_logits_scratch_bytes
     print(f"planned budget {plan.requested_bytes / 2**30:.2f} GiB, measured device peak {measured / 2**30:.2f} GiB; "
           f"lane persistent {max_lane_bytes / 2**30:.3f} GiB <= reserved {lane_reserved_per_token / 2**30:.3f} GiB; "
           f"draft transient {draft_peak['bytes'] / 2**20:.1f} MiB at batch {draft_peak['batch']} <= reserved scratch "
