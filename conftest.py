@@ -15,6 +15,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Before CUDA initialises: growable segments keep the caching allocator's reserved memory close to what is
+# allocated, so a planned KV budget is not eaten by fragmentation (the memory test holds the device peak to it).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 ROOT = Path(__file__).resolve().parent
 FIXTURES = ROOT / "fixtures"

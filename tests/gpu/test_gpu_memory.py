@@ -54,11 +54,12 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
 
     torch.cuda.reset_peak_memory_stats()
     max_running, max_lane_bytes = 0, 0
-    device_peak = 0
+    device_peak = alloc_peak = 0
     while engine.has_work():
         engine.step()
         torch.cuda.synchronize()
         device_peak = max(device_peak, torch.cuda.max_memory_reserved())
+        alloc_peak = max(alloc_peak, torch.cuda.max_memory_allocated())
         max_running = max(max_running, len(engine.scheduler.running))
         max_lane_bytes = max(max_lane_bytes, lane_persistent_bytes(lane))
     engine.check_integrity()
@@ -69,7 +70,8 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
     lane_reserved_per_token = res.per_token_bytes * res.pool_billed_tokens([LIFETIME] * fit) \
         + res.block_headroom_bytes * fit // res.max_decode_batch  # each request's B block-scratch rows
     lane_reserved_scratch = res.batch_dense_scratch_bytes + res.batch_logits_scratch_bytes
-    print(f"planned budget {plan.requested_bytes / 2**30:.2f} GiB, measured device peak {measured / 2**30:.2f} GiB; "
+    print(f"planned budget {plan.requested_bytes / 2**30:.2f} GiB, measured device peak {measured / 2**30:.2f} GiB "
+          f"(allocated peak {(engine.kv_plan_outside_torch_bytes + alloc_peak) / 2**30:.2f} GiB); "
           f"lane persistent {max_lane_bytes / 2**30:.3f} GiB <= reserved {lane_reserved_per_token / 2**30:.3f} GiB; "
           f"draft transient {draft_peak['bytes'] / 2**20:.1f} MiB at batch {draft_peak['batch']} <= reserved scratch "
           f"{lane_reserved_scratch / 2**20:.1f} MiB")
