@@ -10,6 +10,10 @@ from pathlib import Path
 
 from refengine.errors import CheckpointError, UnsupportedConfigError
 
+# The drafter lane projects pending context rows (fc -> hidden_norm -> per-layer K/V) this many at a time, so
+# the transient is bounded however many long prompts were prefilled before a draft (memory.py bills it).
+DRAFT_CONTEXT_FLUSH_ROWS = 4096
+
 
 def read_config_json(path: str | Path) -> dict:
     """config.json from a checkpoint directory (or the file itself)."""
@@ -149,8 +153,9 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
     page_size: int = 16
     num_blocks: int | None = None         # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
-    gpu_memory_utilization: float = 0.90  # cuda: share of total memory the planner may give the process
-    memory_accounting: str = "upstream"   # DFlash reservation: "upstream" (as upstream bills) or "lane" (tight)
+    gpu_memory_utilization: float = 0.90  # cuda: share of total memory the process may use (planned, then
+                                          # enforced as a cap on torch's caching allocator)
+    memory_accounting: str = "lane"       # DFlash reservation: "lane" (what this engine allocates) or "upstream"
     max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window)
     synthetic_weights: bool = False       # random weights from config.json alone (benchmarks, memory tests)
     max_num_seqs: int = 64

@@ -13,7 +13,9 @@ kv = kv_heads * head_dim, Q = heads * head_dim, I = drafter intermediate, V = vo
 B = block size, N = max decode batch):
 
 ``"upstream"`` is pegainfer's ``DFlashMemoryReservation::from_config``, term for term: a safe upper bound
-kept from when the drafter scratch was per-request.
+for upstream's engine, kept from when its drafter scratch was per-request. It is not a bound for refengine's
+lane (for small pools its per-token context scratch does not cover one projection chunk), so the engine
+plans with ``"lane"`` by default; ``"upstream"`` is here to reproduce and compare upstream's figures.
     per token: draft KV  Ld*2*kv*b | context scratch 2*Hd*b | tail scratch (Hd+2kv)*b | pending Ht*n*b
     fixed:     weights b*(Ld*(Hd*(Q+2kv) + Q*Hd + 3*Hd*I) + Hd*Ht*n) + weights//10 slack
                + dense scratch b*(5Hd+2Q+3I)*B*N + logits scratch b*V*B*N
@@ -27,6 +29,8 @@ q [N*B, Q], k and v [N*B, kv], MLP gate and up [N*B, I], logits for block rows 1
     fixed:     the same weights + slack
                + dense scratch b*(Hd+Q+2kv+2I)*B*N + logits scratch b*V*(B-1)*N
                + block headroom N*B*(draft KV + pending)    (the capacity's B rows past the lifetime)
+               + context flush scratch R*(pending + 2*Hd*b + 3*Hd*4 + 2*kv*4 + draft KV), R = 4096 rows
+                 projected at a time (refengine.config.DRAFT_CONTEXT_FLUSH_ROWS)
 The pool reserves ceil((prompt + max_tokens) / page) pages for a request's whole life, so the per-token
 term covers the first prompt + max_tokens capacity rows and the headroom the last B, for up to N requests.
 
@@ -41,14 +45,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from refengine.config import DFlashConfig, ModelConfig, read_config_json
+from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS, DFlashConfig, ModelConfig, read_config_json
 from refengine.errors import RefEngineError, UnsupportedConfigError
 
 ACCOUNTINGS = ("upstream", "lane")
 PER_TOKEN_TERMS = ("draft_kv_bytes_per_token", "context_scratch_bytes_per_token",
                    "tail_scratch_bytes_per_token", "pending_features_bytes_per_token")
 FIXED_TERMS = ("drafter_weights_bytes", "weights_slack_bytes", "batch_dense_scratch_bytes",
-               "batch_logits_scratch_bytes", "block_headroom_bytes")
+               "batch_logits_scratch_bytes", "block_headroom_bytes", "context_flush_scratch_bytes")
 ConfigSource = Union[Mapping[str, Any], str, os.PathLike]
 
 
@@ -110,6 +114,8 @@ class DFlashMemoryReservation:
     batch_dense_scratch_bytes: int        # hidden / q / k / v / MLP rows of one N*B draft pass
     batch_logits_scratch_bytes: int       # draft logits of one N*B pass (the largest term)
     block_headroom_bytes: int             # N requests x B rows sized past the pool-billed lifetime
+    context_flush_scratch_bytes: int = 0  # lane: one chunk of pending rows being projected (upstream: 0,
+                                          # its per-token context scratch covers it)
 
     def __post_init__(self) -> None:
         if self.accounting not in ACCOUNTINGS:
@@ -203,6 +209,9 @@ class DFlashMemoryReservation:
             dense = b * (hd + q + 2 * kv + 2 * inter) * rows     # hidden, q, k, v, gate, up
             logits = b * vocab * (block - 1) * max_decode_batch  # block row 0 is the known token
             headroom = rows * (draft_kv + pending)
+            # one chunk of R pending rows in projection: the concatenated features, fc output, the fp32
+            # temporaries of hidden_norm (3 x Hd fp32) and of each k_norm (2 x kv fp32), every layer's K and V
+            flush = DRAFT_CONTEXT_FLUSH_ROWS * (pending + 2 * hd * b + 3 * hd * 4 + 2 * kv * 4 + draft_kv)
         return cls(
             accounting=accounting, dtype_bytes=b, page_size=page_size, max_decode_batch=max_decode_batch,
             block_size=block, max_context_tokens=max_context_tokens(target, drafter),
@@ -210,7 +219,8 @@ class DFlashMemoryReservation:
             draft_kv_bytes_per_token=draft_kv, context_scratch_bytes_per_token=context_scratch,
             tail_scratch_bytes_per_token=tail_scratch, pending_features_bytes_per_token=pending,
             drafter_weights_bytes=weights, weights_slack_bytes=weights // 10,
-            batch_dense_scratch_bytes=dense, batch_logits_scratch_bytes=logits, block_headroom_bytes=headroom)
+            batch_dense_scratch_bytes=dense, batch_logits_scratch_bytes=logits, block_headroom_bytes=headroom,
+            context_flush_scratch_bytes=0 if accounting == "upstream" else flush)
 
 
 _PLAN_NAMES = ("DeviceMemory", "KvBudgetPlan", "plan_kv_budget", "read_device_memory",

@@ -83,6 +83,7 @@ class DFlashDrafter:
         fp32 or (fp32=False, argmax without an fp32 copy of the largest buffer) in the model dtype."""
         m, b = self.mcfg, self.cfg.block_size
         n = block_tokens.shape[0] // b
+        group = m.num_heads // m.num_kv_heads
         h = self.embed_tokens[block_tokens]  # [N*B, H]
         for li, w in enumerate(self.layers):
             q, kb, vb = project_qkv(w, rms_norm(h, w.input_norm, m.rms_norm_eps), m, self.rope, positions)
@@ -92,10 +93,13 @@ class DFlashDrafter:
                 kbuf, vbuf = kv_buffers[i][li]
                 kbuf[ctx_lens[i]:end] = kb[rows]
                 vbuf[ctx_lens[i]:end] = vb[rows]
-                # non-causal: every block row sees all context and all block keys (GQA without a copy)
-                attn[rows] = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1), kbuf[:end].transpose(0, 1), vbuf[:end].transpose(0, 1),
-                    enable_gqa=True).transpose(0, 1)
+                # Non-causal, so rows are independent: fold each kv head's g query heads into its rows and
+                # run plain multi-head attention over [nkv, g*B, d] (GQA with no K/V expansion on any backend).
+                qg = q[rows].view(b, m.num_kv_heads, group, m.head_dim).permute(1, 2, 0, 3)
+                o = F.scaled_dot_product_attention(qg.reshape(m.num_kv_heads, group * b, m.head_dim),
+                                                   kbuf[:end].transpose(0, 1), vbuf[:end].transpose(0, 1))
+                attn[rows] = o.view(m.num_kv_heads, group, b, m.head_dim).permute(2, 0, 1, 3).reshape(
+                    b, m.num_heads, m.head_dim)
             h = h + F.linear(attn.reshape(n * b, -1), w.o_proj)
             h = mlp_residual(w, h, m.rms_norm_eps)
         z = rms_norm(h.view(n, b, -1)[:, 1:], self.norm, m.rms_norm_eps)  # [N, B-1, H]

@@ -63,6 +63,11 @@ def plan_pool(engine, draft_cfg: DFlashConfig | None) -> KvBudgetPlan:
     engine.kv_plan_outside_torch_bytes = device.used_bytes - torch.cuda.memory_reserved(dev)
     capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
     activation = max(profile_step(engine, capture, rows, logit_rows) for rows, logit_rows in worst_case_shapes(engine))
-    return plan_kv_budget(device, target_config=engine.target.cfg, gpu_memory_utilization=c.gpu_memory_utilization,
+    plan = plan_kv_budget(device, target_config=engine.target.cfg, gpu_memory_utilization=c.gpu_memory_utilization,
                           reservation=reservation, activation_peak_bytes=activation, page_size=c.page_size,
                           dtype_bytes=dtype_bytes, max_context_tokens=engine.max_context)
+    # Enforce the plan on torch's caching allocator: past the cap it frees cached blocks before it grows, so
+    # fragmentation cannot carry the process past the utilisation it was given (a real shortfall still OOMs).
+    cap = (plan.requested_bytes - engine.kv_plan_outside_torch_bytes) / device.total_bytes
+    torch.cuda.set_per_process_memory_fraction(min(max(cap, 0.0), 1.0), engine.target.device)
+    return plan

@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
 from refengine.models.dflash import DFlashDrafter
 
-FLUSH_ROWS = 4096  # context rows projected per chunk (bounds the flush transient)
+FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
 
 
 @dataclass
