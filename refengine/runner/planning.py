@@ -23,13 +23,13 @@ def worst_case_shapes(engine) -> list[tuple[int, int]]:
 
 
 def profile_step(engine, capture: tuple[int, ...], rows: int, logit_rows: int) -> int:
-    """Activation peak (bytes) of one target forward of `rows` rows, the temporary KV it needs excluded.
+    """Activation peak (bytes) of one target forward of `rows` rows, over a temporary KV pool allocated
+    before the measurement starts (so the KV is not counted).
     The attention backend (FlashInfer's workspace) is built inside the measured step: the engine allocates
     its own after planning, so it belongs to what the plan must leave room for."""
     cfg, t = engine.target.cfg, engine.target
     page = engine.config.page_size
     pool = KvPool(cfg.num_layers, blocks_for(rows, page), page, cfg.num_kv_heads, cfg.head_dim, t.dtype, t.device)
-    kv_bytes = sum(x.numel() * x.element_size() for x in pool.k + pool.v)
     pool.admit(0, rows)
     pool.extend(0, rows)
     ids = torch.zeros(rows, dtype=torch.long, device=t.device)
@@ -42,7 +42,8 @@ def profile_step(engine, capture: tuple[int, ...], rows: int, logit_rows: int) -
             hidden, _feats = t.forward(ids, batch, pool, attention, capture)
             t.logits(hidden[-logit_rows:], fp32=False).argmax(-1)
 
-    peak = profile_activation_peak(step, str(t.device), temporary_kv_bytes=kv_bytes)
+    # The temporary pool exists before the baseline is read, so the measured rise holds no KV to subtract.
+    peak = profile_activation_peak(step, str(t.device), temporary_kv_bytes=0)
     del pool, batch
     torch.cuda.empty_cache()
     return peak.non_kv_peak_increase_bytes
