@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from refengine.errors import InvalidRequestError
 
 
+MAX_LOGPROBS = 64  # most top tokens a request may ask for per position
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -40,8 +43,8 @@ class SamplingParams:
         if self.temperature != 0.0:
             raise InvalidRequestError(
                 f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented")
-        if not 0 <= self.logprobs <= 64:
-            raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..64")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..{MAX_LOGPROBS}")
         if self.prompt_logprobs and self.logprobs == 0:
             raise InvalidRequestError("prompt_logprobs needs logprobs > 0 (how many top tokens to return)")
 

@@ -9,6 +9,24 @@ from refengine.attention.base import AttnBatch
 from refengine.scheduler import DecodePlan, PrefillPlan, StepResult, VerifyPlan
 
 
+LOGIT_CHUNK_ROWS = 1024  # logits rows materialised at once: bounds the [rows, vocab] transient (the planner
+                         # profiles exactly this chunk)
+
+
+def read_logits(target, hidden: torch.Tensor, k: int) -> tuple[list[int], list | None, list | None]:
+    """Normed hidden [R, H] -> argmax per row, and the top-k ids / logprobs when k > 0, LOGIT_CHUNK_ROWS rows
+    at a time. The argmax is taken in the model dtype (the fp32 cast is monotone, so it is exact)."""
+    argmax, top_ids, top_lp = [], [] if k else None, [] if k else None
+    for lo in range(0, hidden.shape[0], LOGIT_CHUNK_ROWS):
+        logits = target.logits(hidden[lo:lo + LOGIT_CHUNK_ROWS], fp32=False)  # [r, V]
+        argmax += logits.argmax(-1).tolist()
+        if k:
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)
+            top_ids += top.indices.tolist()
+            top_lp += top.values.tolist()
+    return argmax, top_ids, top_lp
+
+
 class ModelRunner:
     def __init__(self, target, pool, attention, lane=None):
         self.target, self.pool, self.attention, self.lane = target, pool, attention, lane
@@ -38,12 +56,7 @@ class ModelRunner:
         for n in batch.q_lens:
             offsets.append(offsets[-1] + n)
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
-        logits = self.target.logits(hidden[rows], fp32=False)  # [R, V], only for the rows that need them
-        argmax = logits.argmax(-1).tolist()  # exact in the model dtype: the fp32 cast is monotone
-        max_k = max(topk_k, default=0)
-        top = logits.float().log_softmax(-1).topk(max_k, dim=-1) if max_k else None
-        top_ids = top.indices.tolist() if top is not None else None
-        top_lp = top.values.tolist() if top is not None else None
+        argmax, top_ids, top_lp = read_logits(self.target, hidden[rows], max(topk_k, default=0))
         out_argmax, out_topk, out_feats, r = [], [], [], 0
         for i, rr in enumerate(score_rows):
             n = len(rr)

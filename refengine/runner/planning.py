@@ -10,19 +10,19 @@ from refengine.config import DFlashConfig
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory import DFlashMemoryReservation
 from refengine.memory_plan import KvBudgetPlan, plan_kv_budget, profile_activation_peak, read_device_memory
+from refengine.request import MAX_LOGPROBS as TOPK_MAX
+from refengine.runner.model_runner import LOGIT_CHUNK_ROWS, read_logits
 
 
-def worst_case_shapes(engine) -> list[tuple[int, int]]:
-    """(rows, rows needing logits) of the largest forwards: the longest prefill (a full chunk, or one long
-    prompt admitted alone past max_prefill_tokens) with one logits row, and every running request's verify
-    span with logits on every row."""
+def worst_case_rows(engine) -> int:
+    """Most rows one target forward can carry: a prefill chunk of max_prefill_tokens, a single long prompt
+    (admitted alone even past max_prefill_tokens), or every running request's verify span."""
     c = engine.config
     span = 16 if engine.speculating else 1
-    prefill = max(min(c.max_prefill_tokens, engine.max_context), engine.max_context)
-    return [(prefill, 1), (c.max_num_seqs * span, c.max_num_seqs * span)]
+    return max(c.max_prefill_tokens, engine.max_context, c.max_num_seqs * span)
 
 
-def profile_step(engine, capture: tuple[int, ...], rows: int, logit_rows: int) -> int:
+def profile_step(engine, capture: tuple[int, ...], rows: int) -> int:
     """Activation peak (bytes) of one target forward of `rows` rows, over a temporary KV pool allocated
     before the measurement starts (so the KV is not counted).
     The attention backend (FlashInfer's workspace) is built inside the measured step: the engine allocates
@@ -40,7 +40,8 @@ def profile_step(engine, capture: tuple[int, ...], rows: int, logit_rows: int) -
         attention = make_backend(engine.config.backend_name, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         with torch.inference_mode():
             hidden, _feats = t.forward(ids, batch, pool, attention, capture)
-            t.logits(hidden[-logit_rows:], fp32=False).argmax(-1)
+            # the worst read-out: one full chunk of logits with fp32 log-softmax and top-k (prompt logprobs)
+            read_logits(t, hidden[-min(rows, LOGIT_CHUNK_ROWS):], TOPK_MAX)
 
     # The temporary pool exists before the baseline is read, so the measured rise holds no KV to subtract.
     peak = profile_activation_peak(step, str(t.device), temporary_kv_bytes=0)
@@ -63,7 +64,7 @@ def plan_pool(engine, draft_cfg: DFlashConfig | None) -> KvBudgetPlan:
     # torch.cuda.max_memory_reserved() into a device-level peak to hold against the plan
     engine.kv_plan_outside_torch_bytes = device.used_bytes - torch.cuda.memory_reserved(dev)
     capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
-    activation = max(profile_step(engine, capture, rows, logit_rows) for rows, logit_rows in worst_case_shapes(engine))
+    activation = profile_step(engine, capture, worst_case_rows(engine))
     plan = plan_kv_budget(device, target_config=engine.target.cfg, gpu_memory_utilization=c.gpu_memory_utilization,
                           reservation=reservation, activation_peak_bytes=activation, page_size=c.page_size,
                           dtype_bytes=dtype_bytes, max_context_tokens=engine.max_context)
