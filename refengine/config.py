@@ -156,7 +156,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.90  # cuda: share of total memory the process may use (planned, then
                                           # enforced as a cap on torch's caching allocator)
     memory_accounting: str = "lane"       # DFlash reservation: "lane" (what this engine allocates) or "upstream"
-    max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window)
+    max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window). On CUDA
+                                          # the planner profiles the longest forward the engine may run,
+                                          # max(max_prefill_tokens, context): cap it on small devices
     synthetic_weights: bool = False       # random weights from config.json alone (benchmarks, memory tests)
     max_num_seqs: int = 64
     max_prefill_tokens: int = 8192
