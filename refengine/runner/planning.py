@@ -29,12 +29,17 @@ def profile_step(engine, capture: tuple[int, ...], rows: int) -> int:
     its own after planning, so it belongs to what the plan must leave room for."""
     cfg, t = engine.target.cfg, engine.target
     page = engine.config.page_size
-    pool = KvPool(cfg.num_layers, blocks_for(rows, page), page, cfg.num_kv_heads, cfg.head_dim, t.dtype, t.device)
-    pool.admit(0, rows)
-    pool.extend(0, rows)
+    # as many requests as it takes: no row may sit past the context (RoPE tables end there)
+    lens = [min(engine.max_context, rows - lo) for lo in range(0, rows, engine.max_context)]
+    pool = KvPool(cfg.num_layers, sum(blocks_for(n, page) for n in lens), page, cfg.num_kv_heads, cfg.head_dim,
+                  t.dtype, t.device)
+    for i, n in enumerate(lens):
+        pool.admit(i, n)
+        pool.extend(i, n)
     ids = torch.zeros(rows, dtype=torch.long, device=t.device)
-    batch = AttnBatch(q_lens=[rows], kv_lens=[rows], block_tables=[pool.allocator.table(0)],
-                      slots=pool.slots(0, 0, rows).to(t.device), positions=torch.arange(rows, device=t.device))
+    batch = AttnBatch(q_lens=lens, kv_lens=lens, block_tables=[pool.allocator.table(i) for i in range(len(lens))],
+                      slots=torch.cat([pool.slots(i, 0, n) for i, n in enumerate(lens)]).to(t.device),
+                      positions=torch.cat([torch.arange(n) for n in lens]).to(t.device))
 
     def step():
         attention = make_backend(engine.config.backend_name, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
