@@ -144,17 +144,18 @@ def read_records(path: str | Path) -> list[Record]:
     return out
 
 
-def read_topk_jsonl(path: str | Path) -> list[TopKRecord]:
+def _read_kind(path: str | Path, kind: type) -> list:
+    """Every record of a file that must hold only `kind` records."""
     recs = read_records(path)
-    bad = [r.name for r in recs if not isinstance(r, TopKRecord)]
+    bad = [r.name for r in recs if not isinstance(r, kind)]
     if bad:
-        raise ValueError(f"{path}: expected TopKRecord lines, found other records: {bad[:5]}")
-    return recs  # type: ignore[return-value]
+        raise ValueError(f"{path}: expected {kind.__name__} lines, found other records: {bad[:5]}")
+    return recs
+
+
+def read_topk_jsonl(path: str | Path) -> list[TopKRecord]:
+    return _read_kind(path, TopKRecord)
 
 
 def read_greedy_jsonl(path: str | Path) -> list[GreedyRecord]:
-    recs = read_records(path)
-    bad = [r.name for r in recs if not isinstance(r, GreedyRecord)]
-    if bad:
-        raise ValueError(f"{path}: expected GreedyRecord lines, found other records: {bad[:5]}")
-    return recs  # type: ignore[return-value]
+    return _read_kind(path, GreedyRecord)

@@ -9,6 +9,7 @@ from refengine.attention import make_backend
 from refengine.config import DFlashConfig, EngineConfig, read_config_json
 from refengine.errors import UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
+from refengine.memory import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.request import Request, SamplingParams, SpecStats
@@ -69,7 +70,7 @@ class Engine:
             from refengine.runner.planning import plan_pool
             self.kv_plan = plan_pool(self, draft_cfg if self.speculating else None)
             return self.kv_plan.num_blocks
-        bytes_per_block = 2 * c.num_layers * self.config.page_size * c.kv_dim * torch.finfo(dtype).bits // 8
+        bytes_per_block = target_kv_bytes_per_block(c, self.config.page_size, dtype.itemsize)
         wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
         return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
 

@@ -50,6 +50,15 @@ def greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int] | int
     return [r.output_ids for r in reqs]
 
 
+def lane_persistent_bytes(lane) -> int:
+    """Bytes of every live request's drafter context K/V buffers plus its pending target features."""
+    total = 0
+    for ctx in lane._ctx.values():
+        total += sum(t.numel() * t.element_size() for t in ctx.k + ctx.v)
+        total += sum(f.numel() * f.element_size() for f in ctx.pending)
+    return total
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:

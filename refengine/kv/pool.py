@@ -16,8 +16,8 @@ def blocks_for(tokens: int, page: int) -> int:
 
 @dataclass
 class SpecReservation:
-    """One verify step's reservation: for each request, (start, span, blocks it allocated), in order."""
-    entries: list[tuple[int, int, int, int]] = field(default_factory=list)  # (req_id, start, span, new_blocks)
+    """One verify step's reservation, in plan order: req_id -> (start, span, blocks it allocated)."""
+    entries: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class KvPool:
@@ -83,22 +83,22 @@ class KvPool:
                                     f"{self.allocator.num_free} free")
         res = SpecReservation()
         for r, s in spans.items():
-            res.entries.append((r, self.seq_len[r], s, self._grow(r, self.seq_len[r] + s)))
+            res.entries[r] = (self.seq_len[r], s, self._grow(r, self.seq_len[r] + s))
         return res
 
     def speculative_view(self, res: SpecReservation) -> list[tuple[int, int, int]]:
         """(req_id, start, span) for the verify forward: positions [start, start + span) are writable."""
-        return [(r, start, span) for r, start, span, _ in res.entries]
+        return [(r, start, span) for r, (start, span, _) in res.entries.items()]
 
     def apply_speculative(self, req_id: int, n_commit: int, res: SpecReservation) -> None:
-        entry = next(e for e in res.entries if e[0] == req_id)
-        if not 1 <= n_commit <= entry[2]:
-            raise KvAllocationError(f"request {req_id}: commit {n_commit} outside 1..span {entry[2]}")
-        self.seq_len[req_id] = entry[1] + n_commit
+        start, span, _ = res.entries[req_id]
+        if not 1 <= n_commit <= span:
+            raise KvAllocationError(f"request {req_id}: commit {n_commit} outside 1..span {span}")
+        self.seq_len[req_id] = start + n_commit
 
     def revert_schedule(self, res: SpecReservation) -> None:
         """Drop the unused tail of each reservation, last in first out, freeing blocks it had allocated."""
-        for r, _start, _span, new_blocks in reversed(res.entries):
+        for r, (_start, _span, new_blocks) in reversed(res.entries.items()):
             if r not in self.seq_len:
                 continue  # released (finished) already: its blocks went back whole
             keep = blocks_for(self.seq_len[r], self.page_size)

@@ -8,6 +8,7 @@ Run on a CUDA machine: python -m pytest -m gpu tests/gpu      (lossless only: -m
 """
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -40,12 +41,11 @@ def test_gpu_hf_gate_bf16_flashinfer(model_pair, batched):
 
 def _prompts(pair, n, seed):
     rng = random.Random(seed)
-    import json
     vocab = json.loads((pair.target / "config.json").read_text())["vocab_size"]
     return [[rng.randrange(vocab - 1) for _ in range(rng.choice([1, 5, 16, 17, 60, 200]))] for _ in range(n)]
 
 
-def _gate_all(pair, prompts, budgets, plain, spec, spec_engine, label):
+def _gate_all(pair, prompts, plain, spec, spec_engine, label):
     def score(ids):
         return score_sequences(spec_engine, [("rescore", ids[:-1], ids[-1:])])[0]
     reports = []
@@ -72,4 +72,4 @@ def test_gpu_lossless_dflash_regret_gate(model_pair, concurrent):
     for s, b in zip(spec, budgets):
         assert len(s) == b
     spec_engine.check_integrity()
-    _gate_all(model_pair, prompts, budgets, plain, spec, spec_engine, "concurrent" if concurrent else "bs1")
+    _gate_all(model_pair, prompts, plain, spec, spec_engine, "concurrent" if concurrent else "bs1")

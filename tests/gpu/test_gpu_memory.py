@@ -14,7 +14,7 @@ import torch
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.kv.pool import blocks_for
 from refengine.memory import DFlashMemoryReservation
-from tests.test_lane_memory import lane_persistent_bytes
+from tests.adapter import lane_persistent_bytes
 
 pytestmark = pytest.mark.gpu
 CONFIGS = "fixtures/configs"

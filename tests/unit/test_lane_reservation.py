@@ -12,7 +12,7 @@ import pytest
 from refengine import SamplingParams
 from refengine.memory import DFlashMemoryReservation
 from tests.adapter import cpu_engine
-from tests.test_lane_memory import lane_persistent_bytes
+from tests.adapter import lane_persistent_bytes
 
 
 @pytest.mark.parametrize("accounting", ["lane", "upstream"])
