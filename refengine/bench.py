@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 
 import torch
@@ -50,7 +51,7 @@ def _run(engine, prompts, new_tokens):
 
 
 def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concurrency: list[int],
-          prompt_len: int, output_tokens: int, seed: int = 0) -> dict:
+          prompt_len: int, output_tokens: int, seed: int = 0, profile: bool = False) -> dict:
     from refengine.engine import Engine
 
     results = {"target": target, "draft": draft, "device": device, "synthetic_weights": synthetic,
@@ -86,11 +87,25 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
                 row.update(decode_ms_per_step=round(delta["decode_s"] * 1e3 / steps, 3))
             results["rows"].append(row)
             print(json.dumps(row))
+            if profile and c == concurrency[0]:
+                _profile(engine, prompts, min(output_tokens, 16), f"{row['mode']} c={c}")
         del engine
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     results["copy_bandwidth_bytes_per_s"] = round(bandwidth)
     return results
+
+
+def _profile(engine, prompts, new_tokens: int, label: str) -> None:
+    """Where the time of one short run goes: torch.profiler's top ops, to stderr (not part of the timings)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = engine.target.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        _run(engine, prompts, new_tokens)
+    events = prof.key_averages()
+    print(f"\n--- profile: {label}, {new_tokens} new tokens ---", file=sys.stderr)
+    for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        print(events.table(sort_by=key, row_limit=12, max_name_column_width=48), file=sys.stderr)
 
 
 def _weights(model):
@@ -111,6 +126,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--concurrency", default="1,8", help="comma-separated, e.g. 1,8,16,32")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--profile", action="store_true",
+                   help="also print torch.profiler's top ops for the first concurrency of each mode (stderr)")
     p.set_defaults(func=_cmd)
 
 
@@ -124,6 +141,6 @@ def _cmd(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = bench(target, draft, device=device, synthetic=args.synthetic,
                 concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
-                output_tokens=args.output_tokens)
+                output_tokens=args.output_tokens, profile=args.profile)
     print(json.dumps(res))
     return 0

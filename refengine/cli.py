@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)")
     g.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
     g.add_argument("--prompt", help="prompt text (token ids when the checkpoint has no tokenizer)")
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=256,
+                   help="new tokens (default 256: the length the tiny pair's tau is measured at)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
