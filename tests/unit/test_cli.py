@@ -10,15 +10,14 @@ Run: python -m pytest tests/unit/test_cli.py -q
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 
 import pytest
 
 from refengine.cli import main
-from refengine.defaults import default_pair
+from refengine.defaults import RANDOM_PAIR, TRAINED_PAIR, default_pair
 
 PROMPT = "def fibonacci(n):"
-RANDOM_TARGET = Path(__file__).resolve().parents[2] / "fixtures" / "tiny-random" / "target"
 
 
 def _run(capsys, *argv: str) -> tuple[str, dict, str]:
@@ -29,15 +28,9 @@ def _run(capsys, *argv: str) -> tuple[str, dict, str]:
     return "\n".join(lines[:-1]), json.loads(lines[-1]), err
 
 
-@pytest.fixture(scope="module")
-def trained_pair():
-    target, draft = default_pair()
-    if draft is None or not (target / "tokenizer.json").is_file():
-        pytest.fail(f"the embedded default pair should be the trained tiny pair, got target {target}, draft {draft}")
-    return target, draft
-
-
-def test_generate_default_pair_accepts_and_is_lossless(capsys, trained_pair):
+def test_generate_default_pair_accepts_and_is_lossless(capsys):
+    target, _ = default_pair()
+    assert target == TRAINED_PAIR / "target", f"the embedded default should be the trained tiny pair, got {target}"
     text, stats, err = _run(capsys, "--prompt", PROMPT)
     assert text.startswith(PROMPT), text[:200]
     assert stats["tokens"] == 256, stats
@@ -46,14 +39,13 @@ def test_generate_default_pair_accepts_and_is_lossless(capsys, trained_pair):
     plain_text, plain_stats, _ = _run(capsys, "--prompt", PROMPT, "--no-draft")
     assert "tau" not in plain_stats
     if plain_text != text:
-        at = next(i for i, (a, b) in enumerate(zip(plain_text, text)) if a != b) if len(plain_text) == len(text) \
-            else min(len(plain_text), len(text))
+        at = len(os.path.commonprefix([plain_text, text]))
         pytest.fail(f"DFlash text differs from plain greedy at character {at}: "
                     f"plain {plain_text[at:at + 60]!r} vs dflash {text[at:at + 60]!r}")
 
 
 def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):
-    rc = main(["generate", "--device", "cpu", "--model", str(RANDOM_TARGET), "--prompt", "hello"])
+    rc = main(["generate", "--device", "cpu", "--model", str(RANDOM_PAIR / "target"), "--prompt", "hello"])
     _, err = capsys.readouterr()
     assert rc == 2
     assert "no tokenizer.json" in err and "token ids" in err, err
