@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+from refengine.bench import add_bench_parser
 from refengine.errors import RefEngineError
+from refengine.memory.cli import add_memory_parser
 
 
 def _load_tokenizer(target: Path):
@@ -55,7 +57,7 @@ def cmd_generate(args) -> int:
     print(f"\n[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | {device} {engine.config.torch_dtype_name} "
           f"| finish {req.finish_reason.value} | target {target}]", file=sys.stderr)
     stats = {"tokens": n, "seconds": round(elapsed, 4), "tok_per_s": round(n / elapsed, 2)}
-    if engine.lane is not None:
+    if engine.proposer is not None:
         s = req.spec
         hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_hist.items()))
         print(f"[dflash {draft}: tau {s.tau:.2f} tokens/verify over {s.verify_steps} steps | accepted-length "
@@ -83,16 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     g.set_defaults(func=cmd_generate)
-    try:
-        from refengine.memory_cli import add_memory_parser
-        add_memory_parser(sub)
-    except ImportError:
-        pass
-    try:
-        from refengine.bench import add_bench_parser
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    add_memory_parser(sub)
+    add_bench_parser(sub)
     return ap
 
 

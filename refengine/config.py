@@ -14,6 +14,13 @@ from refengine.errors import CheckpointError, UnsupportedConfigError
 # the transient is bounded however many long prompts were prefilled before a draft (memory.py bills it).
 DRAFT_CONTEXT_FLUSH_ROWS = 4096
 
+# Defaults shared by EngineConfig and `refengine memory`, so the CLI plans the setup the engine runs.
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MEMORY_ACCOUNTING = "lane"
+MEMORY_ACCOUNTINGS = ("upstream", "lane")
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+
 
 def read_config_json(path: str | Path) -> dict:
     """config.json from a checkpoint directory (or the file itself)."""
@@ -139,8 +146,21 @@ class DFlashConfig:
             problems.append(f"target_layer_ids {bad} outside 0..{target.num_layers - 1}")
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target vocab (0..{target.vocab_size - 1})")
+        if self.model.head_dim != target.head_dim:
+            # not required by the maths, but every published pair shares it and the kernels assume it
+            problems.append(f"head_dim {self.model.head_dim} != target {target.head_dim}")
         if problems:
             raise UnsupportedConfigError("drafter does not fit its target: " + "; ".join(problems))
+
+
+def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None, max_model_len: int | None = None) -> int:
+    """The longest prompt + max_tokens a request may have: the target's window; with DFlash on, the drafter's
+    in-fill block writes B positions past the committed length, so its window minus B bounds it too.
+    `max_model_len` caps both. The one place this rule lives (admission and the planner both call it)."""
+    limit = target.max_position_embeddings
+    if drafter is not None:
+        limit = min(limit, drafter.model.max_position_embeddings - drafter.block_size)
+    return min(limit, max_model_len or limit)
 
 
 @dataclass(frozen=True)
@@ -151,25 +171,20 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None              # default: float32 on cpu, bfloat16 on cuda
     attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
-    page_size: int = 16
+    page_size: int = DEFAULT_PAGE_SIZE
     num_blocks: int | None = None         # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
-    gpu_memory_utilization: float = 0.90  # cuda: share of total memory the process may use (planned, then
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # cuda: share of total memory the process may use (planned, then
                                           # enforced as a cap on torch's caching allocator)
-    memory_accounting: str = "lane"       # DFlash reservation: "lane" (what this engine allocates) or "upstream"
+    memory_accounting: str = DEFAULT_MEMORY_ACCOUNTING  # DFlash reservation: "lane" (what this engine allocates) or "upstream"
     max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window). On CUDA
                                           # the planner profiles the longest forward the engine may run,
                                           # max(max_prefill_tokens, context): cap it on small devices
     synthetic_weights: bool = False       # random weights from config.json alone (benchmarks, memory tests)
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_prefill_tokens: int = 8192
     speculative: bool = True              # use the drafter when one is given
-    tensor_parallel_size: int = 1
-    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedConfigError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: refengine runs on one device (TP=1)")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
             raise UnsupportedConfigError(f"device={self.device!r}: use 'cpu' or 'cuda[:N]'")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
@@ -182,15 +197,12 @@ class EngineConfig:
             raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise UnsupportedConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.memory_accounting not in ("upstream", "lane"):
+        if self.memory_accounting not in MEMORY_ACCOUNTINGS:
             raise UnsupportedConfigError(f"memory_accounting={self.memory_accounting!r}: use 'upstream' or 'lane'")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
-        if self.enable_prefix_caching and self.draft_path and self.speculative:
-            raise UnsupportedConfigError(
-                "prefix caching must be off with DFlash: readiness comes from each request's own prefill capture")
 
     @property
     def torch_dtype_name(self) -> str:

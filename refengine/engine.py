@@ -1,27 +1,41 @@
-"""Engine: add_request / step / generate. One step = scheduler.schedule() -> runner.execute() -> commit()."""
+"""Engine: add_request / step / generate / score. One step = scheduler.schedule() -> runner.execute() -> commit()."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from refengine.attention import make_backend
-from refengine.config import DFlashConfig, EngineConfig, read_config_json
-from refengine.errors import UnsupportedConfigError
+from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json
+from refengine.errors import InvalidRequestError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
-from refengine.memory import target_kv_bytes_per_block
+from refengine.memory.planner import KvBudgetPlan
+from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.request import Request, SamplingParams, SpecStats
+from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
-from refengine.spec.lane import DFlashLane
+from refengine.spec_decode.lane import DFlashLane
+from refengine.spec_decode.proposer import Proposer
 
 CPU_KV_BYTES = 256 * 1024 * 1024   # default KV pool on the CPU
 
 
+@dataclass(frozen=True)
+class ScoredSequence:
+    """Teacher-forced scores of prompt + continuation: topk[p] is the top-k after token_ids[:p+1]."""
+    token_ids: list[int]
+    topk: list[TopK]
+
+
 class Engine:
-    def __init__(self, config: EngineConfig, *, proposer=None):
+    def __init__(self, config: EngineConfig, *, proposer: Proposer | None = None):
+        """`proposer` replaces the DFlash lane (the test proposers use it); by default a drafter given in
+        `config.draft_path` is loaded and speculates when `config.speculative`."""
         self.config = config
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -33,54 +47,45 @@ class Engine:
         if config.draft_path:
             draft_cfg = DFlashConfig.from_hf(read_config_json(config.draft_path))
             draft_cfg.check_fits(tcfg)
-        self.speculating = proposer is not None or (draft_cfg is not None and config.speculative)
-        self.max_context = self._max_context(draft_cfg)
-        # Plan the pool with the target resident and before the drafter loads: the reservation bills the
-        # drafter's weights itself, so reading device memory after loading it would count them twice.
-        self.kv_plan = None
-        num_blocks = config.num_blocks or self._default_num_blocks(dtype, draft_cfg)
+        spec_cfg = draft_cfg if config.speculative else None
+        self.max_context = max_context_tokens(tcfg, spec_cfg, config.max_model_len)
+        self.kv_plan: KvBudgetPlan | None = None
+        num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
         self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
                         if draft_cfg is not None else None)
-        self.lane = proposer if proposer is not None else (
+        self.proposer: Proposer | None = proposer if proposer is not None else (
             DFlashLane(self.drafter) if self.drafter is not None and config.speculative else None)
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
                            dtype, self.target.device)
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
-        self.scheduler = Scheduler(self.pool, self.lane, vocab_size=tcfg.vocab_size, eos_ids=tcfg.eos_token_ids,
+        self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size, eos_ids=tcfg.eos_token_ids,
                                    max_context=self.max_context, max_num_seqs=config.max_num_seqs,
                                    max_prefill_tokens=config.max_prefill_tokens)
-        self.runner = ModelRunner(self.target, self.pool, attention, self.lane)
+        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer)
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
-    def _max_context(self, draft_cfg: DFlashConfig | None) -> int:
-        """The target's window; with DFlash on, the drafter's in-fill block writes B positions past the
-        committed length, so its window minus B bounds the context too. max_model_len caps both."""
-        limit = self.target.cfg.max_position_embeddings
-        if self.speculating and draft_cfg is not None:
-            limit = min(limit, draft_cfg.model.max_position_embeddings - draft_cfg.block_size)
-        return min(limit, self.config.max_model_len or limit)
-
-    def max_context_tokens(self) -> int:
-        return self.max_context
-
     def _default_num_blocks(self, dtype: torch.dtype, draft_cfg: DFlashConfig | None) -> int:
+        """Planned from device memory on CUDA (before the drafter loads: the reservation bills it), else
+        enough for max_num_seqs full-length requests within CPU_KV_BYTES."""
         c = self.target.cfg
         if self.target.device.type == "cuda":
-            from refengine.runner.planning import plan_pool
-            self.kv_plan = plan_pool(self, draft_cfg if self.speculating else None)
+            from refengine.memory.profile import cap_torch_allocator, plan_device_pool
+            self.kv_plan = plan_device_pool(self.target, self.config, draft_cfg, self.max_context)
+            cap_torch_allocator(self.kv_plan, self.target.device)
             return self.kv_plan.num_blocks
         bytes_per_block = target_kv_bytes_per_block(c, self.config.page_size, dtype.itemsize)
         wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
         return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
 
+    def max_context_tokens(self) -> int:
+        return self.max_context
+
     # ---- the public API ----------------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
-                    forced_output_ids: list[int] | None = None) -> Request:
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a request. One that can never be served finishes at once with FinishReason.REJECTED and a
         message (see Request.reject_reason); the engine keeps serving everyone else."""
-        req = Request(next(self._ids), list(prompt_ids), params or SamplingParams(),
-                      forced_output_ids=list(forced_output_ids) if forced_output_ids is not None else None)
+        req = Request(next(self._ids), list(prompt_ids), params or SamplingParams())
         self.scheduler.add(req)
         if req.finished:
             self.finished.append(req)
@@ -99,23 +104,40 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[Request]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:
         """Submit all prompts together and run to completion (continuous batching). Returns them in order."""
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=sum(r.params.max_tokens for r in reqs), unit="tok", leave=False)
         while self.has_work():
-            before = sum(len(r.output_ids) for r in reqs)
             self.step()
-            if bar is not None:
-                bar.update(sum(len(r.output_ids) for r in reqs) - before)
-        if bar is not None:
-            bar.close()
         return reqs
+
+    def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int = 8) -> list[ScoredSequence]:
+        """Teacher forcing: for each (prompt, continuation), the top-k after every prefix of prompt +
+        continuation (one row per position, the last predicting past the sequence). The prompt runs as a
+        prefill, the continuation as decode steps: before each step the request's current token (whose KV is
+        not written yet) is replaced by the next continuation token. All sequences run together."""
+        vocab = self.target.cfg.vocab_size
+        runs = []
+        for prompt, cont in sequences:
+            bad = [t for t in cont if not 0 <= int(t) < vocab]
+            if bad:
+                raise InvalidRequestError(f"continuation ids {bad[:5]} outside the vocabulary 0..{vocab - 1}")
+            params = SamplingParams(max_tokens=len(cont) + 1, logprobs=k, prompt_logprobs=True, ignore_eos=True)
+            runs.append((self.add_request(prompt, params), [int(t) for t in cont]))
+        for req, _ in runs:
+            if req.reject_reason is not None:
+                raise InvalidRequestError(f"scoring request rejected ({req.reject_reason.value}): {req.message}")
+        while any(not req.finished for req, _ in runs):
+            self.step()
+            for req, cont in runs:
+                n = len(req.output_ids)
+                if not req.finished and 0 < n <= len(cont):
+                    req.output_ids[-1] = cont[n - 1]  # force the token the next decode step feeds
+        return [ScoredSequence(list(req.prompt_ids) + cont, list(req.topk)) for req, cont in runs]
 
     def spec_stats(self, requests: list[Request] | None = None) -> SpecStats:
         total = SpecStats()
@@ -124,4 +146,5 @@ class Engine:
         return total
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity()
+        """Scheduler, KV pool and proposer agree (IntegrityError naming the disagreement otherwise)."""
+        self.scheduler.check_integrity()

@@ -18,13 +18,17 @@ class InvalidRequestError(RefEngineError):
     """A request that can never be served: empty prompt, ids outside the vocabulary, max_tokens <= 0."""
 
 
-class AdmissionRejected(RefEngineError):
-    """A well-formed request that does not fit: context length or KV budget."""
-
-
 class KvAllocationError(RefEngineError):
     """The block allocator cannot satisfy a reservation (the scheduler must never let this escape)."""
 
 
 class AlignmentError(RefEngineError):
     """Drafter context, committed KV length and current-token position disagree: a crash-early invariant."""
+
+
+class KvBudgetError(RefEngineError):
+    """The device cannot hold a usable KV pool; the message gives the numbers and what to change."""
+
+
+class IntegrityError(RefEngineError):
+    """Scheduler, KV pool and drafter lane disagree about what is live: a bug, caught by check_integrity()."""

@@ -80,8 +80,6 @@ class Request:
     request_id: int
     prompt_ids: list[int]
     params: SamplingParams
-    # Teacher forcing (scoring): commit these tokens instead of the argmax, recording top-k at each step.
-    forced_output_ids: list[int] | None = None
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

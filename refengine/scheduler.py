@@ -6,47 +6,19 @@ speculation off for the other. Every KV reservation of a step is made here, befo
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-import torch
-
-from refengine.errors import AlignmentError
-from refengine.kv.pool import KvPool, SpecReservation, blocks_for
+from refengine.errors import AlignmentError, IntegrityError
+from refengine.kv.pool import KvPool, blocks_for
+from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.request import FinishReason, RejectReason, Request, RequestStatus
-from refengine.spec.accept import build_verify_results
-
-
-@dataclass
-class PrefillPlan:
-    requests: list[Request]
-    capture: list[bool]          # capture drafter features for this request's prompt
-
-
-@dataclass
-class DecodePlan:
-    requests: list[Request]
-
-
-@dataclass
-class VerifyPlan:
-    requests: list[Request]
-    spans: list[int]             # min(B, remaining budget): a request never verifies past its budget
-    reservation: SpecReservation
-
-
-@dataclass
-class StepResult:
-    """What the runner hands back, per request of the plan, in plan order."""
-    argmax: list[list[int]]                       # per verify row (one row for prefill/decode)
-    topk: list[list[tuple[list[int], list[float]]]]
-    features: list[torch.Tensor | None]           # captured target features of the span rows
-    drafts: list[list[int]]
+from refengine.spec_decode.accept import build_verify_results
+from refengine.spec_decode.proposer import Proposer
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, lane, *, vocab_size: int, eos_ids: tuple[int, ...], max_context: int,
-                 max_num_seqs: int, max_prefill_tokens: int):
-        self.pool, self.lane = pool, lane
+    def __init__(self, pool: KvPool, proposer: Proposer | None, *, vocab_size: int, eos_ids: tuple[int, ...],
+                 max_context: int, max_num_seqs: int, max_prefill_tokens: int):
+        self.pool, self.proposer = pool, proposer
         self.vocab_size, self.eos_ids, self.max_context = vocab_size, set(eos_ids), max_context
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -64,8 +36,6 @@ class Scheduler:
             req.reject(RejectReason.INVALID, f"prompt ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
         elif p.max_tokens <= 0:
             req.reject(RejectReason.INVALID, f"max_tokens={p.max_tokens} must be >= 1")
-        elif req.forced_output_ids is not None and len(req.forced_output_ids) > p.max_tokens:
-            req.reject(RejectReason.INVALID, "forced_output_ids longer than max_tokens")
         elif n + p.max_tokens > self.max_context:
             req.reject(RejectReason.CONTEXT_LENGTH,
                        f"prompt {n} + max_tokens {p.max_tokens} = {n + p.max_tokens} > max context "
@@ -79,15 +49,15 @@ class Scheduler:
             self.waiting.append(req)
 
     def eligible(self, req: Request) -> bool:
-        """Speculate only for greedy requests without logprobs or forced tokens, when a drafter is loaded."""
-        return self.lane is not None and req.params.logprobs == 0 and req.forced_output_ids is None
+        """Speculate only for greedy requests without logprobs, when a proposer is loaded."""
+        return self.proposer is not None and req.params.logprobs == 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     # ---- planning ----------------------------------------------------------------------------------------
-    def schedule(self):
+    def schedule(self) -> Plan | None:
         admitted, tokens = [], 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
@@ -104,13 +74,13 @@ class Scheduler:
             capture = [self.eligible(r) for r in admitted]
             for r, c in zip(admitted, capture):
                 if c:
-                    self.lane.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
+                    self.proposer.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
             return PrefillPlan(admitted, capture)
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            spans = [min(self.lane.block_size, r.remaining) for r in spec]
+            spans = [min(self.proposer.block_size, r.remaining) for r in spec]
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             return VerifyPlan(spec, spans, res)
         if plain:
@@ -121,42 +91,39 @@ class Scheduler:
         return None
 
     # ---- commit ------------------------------------------------------------------------------------------
-    def _append(self, req: Request, tokens: list[int]) -> None:
+    def _append(self, req: Request, tokens: list[int] | tuple[int, ...]) -> None:
         for tok in tokens:
             req.output_ids.append(tok)
-            if tok in self.eos_ids and not req.params.ignore_eos and req.forced_output_ids is None:
+            if tok in self.eos_ids and not req.params.ignore_eos:
                 req.finish(FinishReason.EOS)
                 return
             if len(req.output_ids) >= req.params.max_tokens:
                 req.finish(FinishReason.LENGTH)
                 return
 
-    def _next_token(self, req: Request, argmax: int) -> int:
-        forced = req.forced_output_ids
-        i = len(req.output_ids)
-        return forced[i] if forced is not None and i < len(forced) else argmax
-
-    def commit(self, plan, result: StepResult) -> None:
+    def commit(self, plan: Plan, result: StepResult) -> None:
         if isinstance(plan, PrefillPlan):
             for i, req in enumerate(plan.requests):
                 self.running.append(req)
-                req.topk.extend(result.topk[i])
+                if result.topk:
+                    req.topk.extend(result.topk[i])
                 if plan.capture[i]:
-                    self.lane.append_pending_context(req.request_id, result.features[i], 0)
-                self._append(req, [self._next_token(req, result.argmax[i][-1])])
+                    self.proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
+                self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             for i, req in enumerate(plan.requests):
-                req.topk.extend(result.topk[i])
-                self._append(req, [self._next_token(req, result.argmax[i][-1])])
+                if result.topk:
+                    req.topk.extend(result.topk[i])
+                self._append(req, [result.argmax[i][-1]])
         else:
             results = build_verify_results(result.drafts, result.argmax, self.eos_ids,
                                            [r.params.ignore_eos for r in plan.requests])
-            for (req_id, start, _span), req, vr, feats in zip(
-                    self.pool.speculative_view(plan.reservation), plan.requests, results, result.features):
+            for (req_id, start, _span), req, vr in zip(self.pool.speculative_view(plan.reservation),
+                                                       plan.requests, results):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
-                self.lane.record_verify_dflash_context(req_id, feats, start, vr.committed)
+                self.proposer.record_verify_dflash_context(req_id, start, vr.committed)
                 req.spec.record(vr.committed)
-                self._append(req, list(vr.new_tokens))
+                self._append(req, vr.new_tokens)
             self.pool.revert_schedule(plan.reservation)
         self._retire_and_check()
 
@@ -165,14 +132,41 @@ class Scheduler:
         for req in self.running:
             if req.finished:
                 self.pool.release(req.request_id)
-                if self.lane is not None:
-                    self.lane.release(req.request_id)
+                if self.proposer is not None:
+                    self.proposer.release(req.request_id)
                 continue
             keep.append(req)
             kv = self.pool.seq_len[req.request_id]
             if kv != req.committed_len:
-                raise AssertionError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
-            if self.eligible(req) and self.lane.context_rows(req.request_id) != kv:
+                raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
+            if self.eligible(req) and self.proposer.context_rows(req.request_id) != kv:
                 raise AlignmentError(f"request {req.request_id}: drafter context rows "
-                                     f"{self.lane.context_rows(req.request_id)} != committed KV length {kv}")
+                                     f"{self.proposer.context_rows(req.request_id)} != committed KV length {kv}")
         self.running = keep
+
+    def check_integrity(self) -> None:
+        """Scheduler, pool and proposer agree: every running request has a table covering exactly its
+        committed length, nothing is held for a request that is not running, and every speculating request's
+        drafter context matches its committed KV."""
+        self.pool.check_integrity()
+        running = {r.request_id: r for r in self.running}
+        orphans = sorted(set(self.pool.live_requests()) - set(running))
+        if orphans:
+            raise IntegrityError(f"KV pool holds requests {orphans} that are not running")
+        for rid, req in running.items():
+            kv = self.pool.seq_len.get(rid)
+            if kv != req.committed_len:
+                raise IntegrityError(f"request {rid}: KV length {kv} != committed {req.committed_len}")
+            need = blocks_for(kv, self.pool.page_size)
+            if len(self.pool.table(rid)) != need:
+                raise IntegrityError(f"request {rid}: {len(self.pool.table(rid))} blocks for {kv} tokens "
+                                     f"(exactly {need} expected between steps)")
+        if self.proposer is not None:
+            spec = {rid for rid, r in running.items() if self.eligible(r)}
+            live = self.proposer.live_requests()
+            if live != spec:
+                raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
+            for rid in spec:
+                if self.proposer.context_rows(rid) != self.pool.seq_len[rid]:
+                    raise IntegrityError(f"request {rid}: drafter context rows {self.proposer.context_rows(rid)} "
+                                         f"!= committed KV {self.pool.seq_len[rid]}")

@@ -23,22 +23,11 @@ def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
 
 
 def score_sequences(engine: Engine, sequences: list[tuple[str, list[int], list[int]]], k: int = 8) -> list[TopKRecord]:
-    """Teacher-force each (name, prompt, continuation) through the engine, all submitted together: the
-    prompt through prefill, the continuation through decode steps. One top-k row per position."""
-    reqs = []
-    for name, prompt, cont in sequences:
-        params = SamplingParams(max_tokens=len(cont) + 1, logprobs=k, prompt_logprobs=True, ignore_eos=True)
-        reqs.append((name, prompt, cont, engine.add_request(prompt, params, forced_output_ids=cont)))
-    while engine.has_work():
-        engine.step()
-    out = []
-    for name, prompt, cont, r in reqs:
-        assert r.reject_reason is None, f"{name}: rejected: {r.message}"
-        assert r.output_ids[:len(cont)] == cont
-        ids = [t for t, _ in r.topk]
-        lps = [lp for _, lp in r.topk]
-        out.append(TopKRecord(name=name, token_ids=prompt + cont, topk_ids=ids, topk_logprobs=lps))
-    return out
+    """Teacher-force each (name, prompt, continuation) through Engine.score, all together: the prompt through
+    prefill, the continuation through decode steps. One top-k row per position."""
+    scored = engine.score([(prompt, cont) for _, prompt, cont in sequences], k)
+    return [TopKRecord(name=name, token_ids=s.token_ids, topk_ids=[ids for ids, _ in s.topk],
+                       topk_logprobs=[lps for _, lps in s.topk]) for (name, _, _), s in zip(sequences, scored)]
 
 
 def greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int] | int,
@@ -48,15 +37,6 @@ def greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int] | int
     for r in reqs:
         assert r.reject_reason is None, r.message
     return [r.output_ids for r in reqs]
-
-
-def lane_persistent_bytes(lane) -> int:
-    """Bytes of every live request's drafter context K/V buffers plus its pending target features."""
-    total = 0
-    for ctx in lane._ctx.values():
-        total += sum(t.numel() * t.element_size() for t in ctx.k + ctx.v)
-        total += sum(f.numel() * f.element_size() for f in ctx.pending)
-    return total
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -71,6 +51,3 @@ def assert_same_tokens(got: list[int], want: list[int], label: str) -> None:
     if i is not None:
         raise AssertionError(f"{label}: first divergence at output position {i} of {len(want)}: "
                              f"got {got[max(0, i - 3):i + 4]} want {want[max(0, i - 3):i + 4]}")
-
-
-

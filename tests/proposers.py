@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from refengine.errors import AlignmentError
+from refengine.spec_decode import DraftItem
 
 
 class ReplayProposer:
@@ -23,30 +24,43 @@ class ReplayProposer:
         self._rows: dict[int, int] = {}
         self._expect: dict[int, tuple[int, list[int]]] = {}
         self._steps: dict[int, int] = {}
+        self._staged: dict[int, tuple[int, int]] = {}  # req -> (first position, rows) staged this step
 
     def expect(self, req_id: int, prompt_len: int, reference_output: list[int]) -> None:
         self._expect[req_id] = (prompt_len, reference_output)
 
-    # ---- the seam (same names as DFlashLane) --------------------------------------------------------------
+    # ---- the Proposer protocol (refengine.spec_decode.proposer) --------------------------------------------
     def start_request(self, req_id: int, capacity: int) -> None:
         self._rows[req_id] = 0
         self._steps[req_id] = 0
 
     def release(self, req_id: int) -> None:
         self._rows.pop(req_id, None)
+        self._staged.pop(req_id, None)
+
+    def live_requests(self) -> set[int]:
+        return set(self._rows)
 
     def context_rows(self, req_id: int) -> int:
         return self._rows[req_id]
 
-    def append_pending_context(self, req_id: int, feats, first_position: int) -> None:
-        if first_position != self._rows[req_id]:
-            raise AlignmentError(f"request {req_id}: rows start at {first_position}, context ends at {self._rows[req_id]}")
-        self._rows[req_id] += feats.shape[0]
+    def stage_features(self, req_id: int, first_position: int, feats) -> None:
+        self._staged[req_id] = (first_position, feats.shape[0])
 
-    def record_verify_dflash_context(self, req_id: int, verify_feats, start: int, committed: int) -> None:
-        self.append_pending_context(req_id, verify_feats[:committed], start)
+    def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
+        start, staged = self._staged.pop(req_id)
+        if first_position != self._rows[req_id] or start != first_position or rows > staged:
+            raise AlignmentError(f"request {req_id}: rows [{first_position}, +{rows}) against staged "
+                                 f"[{start}, +{staged}), context ends at {self._rows[req_id]}")
+        self._rows[req_id] += rows
 
-    def propose(self, items):
+    def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
+        self.commit_context(req_id, start, committed)
+
+    def discard_staged(self) -> None:
+        self._staged.clear()
+
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
         out = []
         for req_id, current, start, span in items:
             if self._rows[req_id] != start:

@@ -1,7 +1,7 @@
 """Block allocator: a free list and per-request block tables. It never hashes (no prefix caching)."""
 from __future__ import annotations
 
-from refengine.errors import KvAllocationError
+from refengine.errors import IntegrityError, KvAllocationError
 
 
 class BlockAllocator:
@@ -19,6 +19,10 @@ class BlockAllocator:
 
     def table(self, req_id: int) -> list[int]:
         return self._tables.get(req_id, [])
+
+    def owners(self) -> list[int]:
+        """Requests that own a block table (possibly empty)."""
+        return list(self._tables)
 
     def allocate(self, req_id: int, n: int) -> list[int]:
         """Append n fresh blocks to req_id's table; all or nothing."""
@@ -48,9 +52,9 @@ class BlockAllocator:
         seen = set()
         for b in used + self._free:
             if not 0 <= b < self.num_blocks:
-                raise AssertionError(f"block id {b} outside 0..{self.num_blocks - 1}")
+                raise IntegrityError(f"block id {b} outside 0..{self.num_blocks - 1}")
             if b in seen:
-                raise AssertionError(f"block {b} appears twice (owned twice, or owned and free)")
+                raise IntegrityError(f"block {b} appears twice (owned twice, or owned and free)")
             seen.add(b)
         if len(used) + len(self._free) != self.num_blocks:
-            raise AssertionError(f"free {len(self._free)} + used {len(used)} != total {self.num_blocks}")
+            raise IntegrityError(f"free {len(self._free)} + used {len(used)} != total {self.num_blocks}")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refengine.errors import KvAllocationError
+from refengine.errors import IntegrityError, KvAllocationError
 from refengine.kv.allocator import BlockAllocator
 
 
@@ -35,6 +35,14 @@ class KvPool:
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
+
+    def table(self, req_id: int) -> list[int]:
+        """The request's block table (a copy is not made: read only)."""
+        return self.allocator.table(req_id)
+
+    def live_requests(self) -> list[int]:
+        """Requests admitted and not yet released."""
+        return list(self.seq_len)
 
     def outstanding_promises(self) -> int:
         return sum(n - len(self.allocator.table(r)) for r, n in self.lifetime_blocks.items())
@@ -107,9 +115,12 @@ class KvPool:
 
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
+        tables = set(self.allocator.owners())
+        if not tables <= set(self.seq_len):
+            raise IntegrityError(f"block tables for requests {sorted(tables - set(self.seq_len))} that were released")
         for r, n in self.seq_len.items():
             have = len(self.allocator.table(r))
             if have < blocks_for(n, self.page_size):
-                raise AssertionError(f"request {r}: length {n} but only {have} blocks")
+                raise IntegrityError(f"request {r}: length {n} but only {have} blocks")
             if have > self.lifetime_blocks[r]:
-                raise AssertionError(f"request {r}: {have} blocks over its lifetime promise {self.lifetime_blocks[r]}")
+                raise IntegrityError(f"request {r}: {have} blocks over its lifetime promise {self.lifetime_blocks[r]}")

@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-import refengine.spec.lane as lane_module
+import refengine.spec_decode.lane as lane_module
 from golden.oracle_dflash import OracleDFlash
+from refengine.spec_decode import DraftItem
 from tests.adapter import cpu_engine
 
 LOGIT_ATOL = 1e-3  # fp32: observed max |delta| is ~1e-5 (reduction order only)
@@ -24,7 +25,7 @@ def test_batched_drafter_matches_dense_oracle(model_pair, seed, monkeypatch):
     # odd seeds project pending context in 5-row chunks, so chunk boundaries fall inside and across requests
     monkeypatch.setattr(lane_module, "FLUSH_ROWS", 5 if seed % 2 else lane_module.FLUSH_ROWS)
     engine = cpu_engine(model_pair.target, model_pair.draft)
-    lane, drafter = engine.lane, engine.drafter
+    lane, drafter = engine.proposer, engine.drafter
     oracle = OracleDFlash(model_pair.draft, model_pair.target, dtype=torch.float32)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -46,7 +47,7 @@ def test_batched_drafter_matches_dense_oracle(model_pair, seed, monkeypatch):
         if not ready:
             continue
         current = {r: rng.randrange(engine.target.cfg.vocab_size) for r in ready}
-        items = [(r, current[r], done[r], b) for r in ready]
+        items = [DraftItem(r, current[r], done[r], b) for r in ready]
         got = lane.propose_logits(items)  # [N, B-1, V]
         for i, r in enumerate(ready):
             want = oracle.draft_logits(feats[r][:done[r]], current[r], done[r])

@@ -187,7 +187,7 @@ def test_alignment_asserts_fire_on_a_misaligned_context(random_pair):
     engine = cpu_engine(random_pair.target, random_pair.draft)
     r = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
     engine.step()  # prefill: 3 pending context rows
-    ctx = engine.lane._ctx[r.request_id]
+    ctx = engine.proposer._ctx[r.request_id]  # white-box: corrupt the context on purpose
     ctx.pending.append(ctx.pending[0][:1])  # one row too many, as a verify off by one would leave
     ctx.pending_rows += 1
     with pytest.raises(AlignmentError, match="drafter context has 4 rows, current token is at position 3"):

@@ -10,7 +10,7 @@ import random
 
 import refengine.scheduler as scheduler_module
 from golden.gates import MARGIN_TOL, first_divergence_regret_gate
-from refengine.spec.accept import VerifyResult, build_verify_results
+from refengine.spec_decode.accept import VerifyResult, build_verify_results
 from tests.adapter import cpu_engine, greedy, score_sequences
 
 

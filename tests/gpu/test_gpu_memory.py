@@ -14,7 +14,6 @@ import torch
 from refengine import Engine, EngineConfig, SamplingParams
 from refengine.kv.pool import blocks_for
 from refengine.memory import DFlashMemoryReservation
-from tests.adapter import lane_persistent_bytes
 
 pytestmark = pytest.mark.gpu
 CONFIGS = "fixtures/configs"
@@ -37,7 +36,7 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
     prompt = [7] * (LIFETIME - NEW_TOKENS)
     reqs = [engine.add_request(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)) for _ in range(fit + 1)]
 
-    lane, propose = engine.lane, engine.lane.propose
+    lane, propose = engine.proposer, engine.proposer.propose
     draft_peak = {"bytes": 0, "batch": 0}
 
     def measured_propose(items):
@@ -61,21 +60,21 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
         device_peak = max(device_peak, torch.cuda.max_memory_reserved())
         alloc_peak = max(alloc_peak, torch.cuda.max_memory_allocated())
         max_running = max(max_running, len(engine.scheduler.running))
-        max_lane_bytes = max(max_lane_bytes, lane_persistent_bytes(lane))
+        max_lane_bytes = max(max_lane_bytes, lane.persistent_bytes())
     engine.check_integrity()
     assert all(len(r.output_ids) == NEW_TOKENS for r in reqs)
     assert max_running == fit, f"admission let {max_running} run at once, the pool fits {fit}"
 
-    measured = engine.kv_plan_outside_torch_bytes + device_peak
+    measured = plan.outside_torch_bytes + device_peak
     lane_reserved_per_token = res.per_token_bytes * res.pool_billed_tokens([LIFETIME] * fit) \
         + res.block_headroom_bytes * fit // res.max_decode_batch  # each request's B block-scratch rows
     lane_reserved_scratch = res.batch_dense_scratch_bytes + res.batch_logits_scratch_bytes
     print(f"planned budget {plan.requested_bytes / 2**30:.2f} GiB, measured device peak {measured / 2**30:.2f} GiB "
-          f"(allocated peak {(engine.kv_plan_outside_torch_bytes + alloc_peak) / 2**30:.2f} GiB); "
+          f"(allocated peak {(plan.outside_torch_bytes + alloc_peak) / 2**30:.2f} GiB); "
           f"lane persistent {max_lane_bytes / 2**30:.3f} GiB <= reserved {lane_reserved_per_token / 2**30:.3f} GiB; "
           f"draft transient {draft_peak['bytes'] / 2**20:.1f} MiB at batch {draft_peak['batch']} <= reserved scratch "
           f"{lane_reserved_scratch / 2**20:.1f} MiB")
-    allocated = engine.kv_plan_outside_torch_bytes + alloc_peak
+    allocated = plan.outside_torch_bytes + alloc_peak
     assert allocated <= plan.requested_bytes, f"allocated peak {allocated:,} B over the planned {plan.requested_bytes:,} B"
     assert measured <= plan.requested_bytes, f"device peak {measured:,} B over the planned {plan.requested_bytes:,} B"
     assert max_lane_bytes <= lane_reserved_per_token

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from refengine.spec.accept import accept_greedy, build_verify_results
+from refengine.spec_decode.accept import accept_greedy, build_verify_results
 
 
 def test_accept_examples():

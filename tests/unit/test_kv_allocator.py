@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refengine.errors import KvAllocationError
+from refengine.errors import IntegrityError, KvAllocationError
 from refengine.kv import BlockAllocator, KvPool
 
 ops = st.lists(st.tuples(st.sampled_from(["alloc", "free_tail", "free_req"]), st.integers(0, 4),
@@ -52,8 +52,9 @@ def test_allocator_integrity_under_random_ops(num_blocks, ops):
 def test_integrity_check_detects_double_ownership():
     a = BlockAllocator(4)
     a.allocate(0, 2)
-    a._tables[1] = [a.table(0)[0]]  # corrupt: one block owned twice
-    with pytest.raises(AssertionError, match="twice"):
+    a.allocate(1, 1)
+    a.table(1)[0] = a.table(0)[0]  # corrupt through the live table: one block owned twice, one lost
+    with pytest.raises(IntegrityError, match="twice"):
         a.check_integrity()
 
 

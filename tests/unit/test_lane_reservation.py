@@ -12,7 +12,6 @@ import pytest
 from refengine import SamplingParams
 from refengine.memory import DFlashMemoryReservation
 from tests.adapter import cpu_engine
-from tests.adapter import lane_persistent_bytes
 
 
 @pytest.mark.parametrize("accounting", ["lane", "upstream"])
@@ -25,8 +24,8 @@ def test_lane_persistent_bytes_within_reservation(random_pair, accounting):
     worst = 0.0
     while engine.has_work():
         engine.step()
-        live = [r for r in reqs if r.request_id in engine.lane._ctx]
-        held = lane_persistent_bytes(engine.lane)
+        live = [r for r in reqs if r.request_id in engine.proposer.live_requests()]
+        held = engine.proposer.persistent_bytes()
         # per-token bytes over what the pool bills, plus each live request's share of the block headroom
         # (the B scratch rows past its lifetime where the drafter writes the block's own K/V)
         billed = res.per_token_bytes * res.pool_billed_tokens([len(r.prompt_ids) + r.params.max_tokens for r in live]) \

@@ -1,7 +1,7 @@
 """DFlash memory reservation, KV budget planner and `refengine memory`, on CPU from shape-only configs.
 
 Checks:
-* every upstream figure for Qwen3-4B + DFlash-b16 (reference/upstream-pegainfer.md §2), exactly: 65,536 B per
+* every upstream figure for Qwen3-4B + DFlash-b16 (upstream pegainfer's DFlash PR), exactly: 65,536 B per
   token and its four terms, the fixed terms, 2,959,605,760 B at decode batch 256 and 1,189,212,160 B at 1,
   2,359,296 -> 3,407,872 B per block, the 16 GB / 0.90 table (150 / 4113 / 1828 off, 2972 / 1389 / 427 on);
 * the lane accounting never under-reserves: the exact CPU tensors the drafter lane allocates, for fixed and
@@ -26,24 +26,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS, DFlashConfig, ModelConfig
-from refengine.errors import CheckpointError, RefEngineError, UnsupportedConfigError
-from refengine.memory import DFlashMemoryReservation, KvBudgetError, load_config, target_weight_bytes
-from refengine.memory_cli import add_memory_parser, run_memory
-from refengine.memory_plan import GiB, MiB, DeviceMemory, KvBudgetPlan, mib, plan_kv_budget
+from refengine.errors import CheckpointError, KvBudgetError, RefEngineError, UnsupportedConfigError
+from refengine.memory.cli import add_memory_parser, run_memory
+from refengine.memory.planner import GiB, MiB, DeviceMemory, KvBudgetPlan, mib, plan_kv_budget
+from refengine.memory.reservation import DFlashMemoryReservation, load_config, target_weight_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
 TARGET, DRAFT = CONFIGS / "qwen3-4b", CONFIGS / "qwen3-4b-dflash-b16"
 
 
 def reservation(**kw) -> DFlashMemoryReservation:
-    return DFlashMemoryReservation.from_config(TARGET, DRAFT, **kw)
+    """Upstream's setup (its accounting, decode batch 256) unless told otherwise: its figures are the anchor."""
+    return DFlashMemoryReservation.from_config(TARGET, DRAFT, **{"accounting": "upstream", "max_decode_batch": 256,
+                                                                 **kw})
 
 
 def check(name: str, got, want) -> None:
     assert got == want, f"{name}: got {got:,} want {want:,} (diff {got - want:+,})"
 
 
-# -- upstream accounting: every figure of reference/upstream-pegainfer.md §2 ------------------------------------
+# -- upstream accounting: every figure of upstream's DFlash PR ------------------------------------
 def test_upstream_per_token_terms_for_qwen3_4b():
     r = reservation()
     check("draft KV = 5 x 2 x 1024 x 2", r.draft_kv_bytes_per_token, 20_480)
@@ -78,7 +80,7 @@ def test_upstream_bytes_per_block_and_context_limit():
 def test_config_sources_dict_directory_and_file_agree():
     as_dicts = DFlashMemoryReservation.from_config(load_config(TARGET), load_config(DRAFT))
     as_files = DFlashMemoryReservation.from_config(TARGET / "config.json", DRAFT / "config.json")
-    assert as_dicts == as_files == reservation()
+    assert as_dicts == as_files == DFlashMemoryReservation.from_config(TARGET, DRAFT)
 
 
 def test_bad_configs_fail_with_typed_errors():
@@ -149,7 +151,7 @@ def test_lane_terms_for_qwen3_4b():
 def test_lane_reservation_covers_qwen3_4b_lane_buffers(max_batch, lifetimes):
     target, drafter = models(TARGET, DRAFT)
     allocated = allocated_bytes(lane_buffers(target, drafter, lifetimes, max_batch))
-    for accounting in ("lane",):  # "upstream" bills upstream's engine, not refengine's lane (see memory.py)
+    for accounting in ("lane",):  # "upstream" bills upstream's engine, not refengine's lane (see memory/reservation.py)
         reserved = reservation(accounting=accounting, max_decode_batch=max_batch).buffers_reserved_bytes(lifetimes)
         assert allocated <= reserved, (f"{accounting} under-reserves N={len(lifetimes)} lifetimes={lifetimes}: "
                                        f"allocated {allocated:,} > reserved {reserved:,}")
@@ -340,7 +342,7 @@ def table_row(lines: list[str], name: str) -> tuple[int, int, int]:
 def test_cli_prints_the_table(overhead, expect_off, expect_on):
     flags = [] if overhead is None else ["--runtime-overhead-mib", str(overhead)]
     rc, lines = run_cli("--target", str(TARGET), "--draft", str(DRAFT / "config.json"), "--gpu-mem-gib", "16",
-                        "--util", "0.90", *flags)
+                        "--util", "0.90", "--accounting", "upstream", "--max-decode-batch", "256", *flags)
     assert rc == 0, "\n".join(lines)
     assert (table_row(lines, "DFlash off"), table_row(lines, "DFlash on")) == (expect_off, expect_on), "\n".join(lines)
     assert any("= 65,536 B" in line for line in lines), "\n".join(lines)
@@ -352,10 +354,35 @@ def test_cli_prints_the_table(overhead, expect_off, expect_on):
 
 def test_cli_reports_a_row_that_does_not_fit():
     rc, lines = run_cli("--target", str(TARGET), "--draft", str(DRAFT), "--gpu-mem-gib", "12",
-                        "--accounting", "lane", "--max-context", "4096")
+                        "--accounting", "lane", "--max-decode-batch", "256", "--max-context", "4096")
     summary = json.loads(lines[-1])
     assert rc == 1 and "does not fit" in "\n".join(lines), "\n".join(lines)
     assert summary["off"]["num_blocks"] == 189 and "lower the max decode batch" in summary["on"]["error"], summary
+
+
+def test_cli_defaults_are_the_engines():
+    """Without flags the table describes the setup EngineConfig runs (lane accounting, its decode batch)."""
+    from refengine import EngineConfig
+    rc, lines = run_cli("--target", str(TARGET), "--draft", str(DRAFT), "--gpu-mem-gib", "80")
+    engine = EngineConfig("unused")
+    summary = json.loads(lines[-1])
+    assert rc == 0, "\n".join(lines)
+    assert summary["reservation"]["accounting"] == engine.memory_accounting, summary["reservation"]
+    assert summary["on"]["page_size"] == engine.page_size
+    expected = DFlashMemoryReservation.from_config(TARGET, DRAFT, page_size=engine.page_size,
+                                                   max_decode_batch=engine.max_num_seqs,
+                                                   accounting=engine.memory_accounting)
+    assert summary["reservation"]["fixed_bytes"] == expected.fixed_bytes
+
+
+@pytest.mark.parametrize("flag,value,message", [("--page-size", "0", "positive integer"),
+                                                ("--util", "1.5", "fraction in (0, 1]"),
+                                                ("--max-decode-batch", "x", "positive integer")])
+def test_cli_bad_numbers_fail_before_printing(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        run_cli("--target", str(TARGET), "--gpu-mem-gib", "16", flag, value)
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and message in captured.err and captured.out == "", captured
 
 
 def test_cli_bad_path_is_a_usage_error():
@@ -367,7 +394,7 @@ def test_cli_bad_path_is_a_usage_error():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_reading_and_activation_profile():
-    from refengine.memory_plan import profile_activation_peak, read_device_memory
+    from refengine.memory.device import profile_activation_peak, read_device_memory
     device = read_device_memory("cuda")
     assert 0 < device.free_bytes <= device.total_bytes, device
     peak = profile_activation_peak(lambda: torch.empty(64 * MiB, dtype=torch.uint8, device="cuda").fill_(1))

@@ -13,6 +13,7 @@ import torch
 from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
 from refengine.models.dflash import DFlashDrafter
+from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
 
@@ -28,11 +29,14 @@ class DraftContext:
 
 
 class DFlashLane:
+    """The DFlash Proposer (refengine.spec_decode.proposer)."""
+
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
         self.block_size = drafter.cfg.block_size
         self.capture_layers = drafter.cfg.target_layer_ids
         self._ctx: dict[int, DraftContext] = {}
+        self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
 
     def start_request(self, req_id: int, capacity: int) -> None:
         m, d = self.drafter.mcfg, self.drafter.fc
@@ -44,10 +48,46 @@ class DFlashLane:
 
     def release(self, req_id: int) -> None:
         self._ctx.pop(req_id, None)
+        self._staged.pop(req_id, None)
+
+    def live_requests(self) -> set[int]:
+        return set(self._ctx)
 
     def context_rows(self, req_id: int) -> int:
         c = self._ctx[req_id]
         return c.length + c.pending_rows
+
+    def persistent_bytes(self) -> int:
+        """Bytes held for live requests: context K/V buffers plus pending target features."""
+        total = 0
+        for c in self._ctx.values():
+            total += sum(t.numel() * t.element_size() for t in c.k + c.v)
+            total += sum(f.numel() * f.element_size() for f in c.pending)
+        return total
+
+    # ---- features: staged by the runner, committed by the scheduler ---------------------------------------
+    def stage_features(self, req_id: int, first_position: int, feats: torch.Tensor) -> None:
+        if req_id not in self._ctx:
+            raise AlignmentError(f"request {req_id}: features staged for a request with no drafter context")
+        self._staged[req_id] = (first_position, feats)
+
+    def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
+        staged = self._staged.pop(req_id, None)
+        if staged is None:
+            raise AlignmentError(f"request {req_id}: {rows} context rows committed but no features were staged")
+        start, feats = staged
+        if start != first_position or not 0 < rows <= feats.shape[0]:
+            raise AlignmentError(f"request {req_id}: commit of rows [{first_position}, {first_position + rows}) "
+                                 f"but the staged features cover [{start}, {start + feats.shape[0]})")
+        self.append_pending_context(req_id, feats[:rows], first_position)
+
+    def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
+        """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
+        features become context. The new current token (the bonus) has no features yet."""
+        self.commit_context(req_id, start, committed)
+
+    def discard_staged(self) -> None:
+        self._staged.clear()
 
     def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
         """Queue target features for positions [first_position, first_position + rows)."""
@@ -65,12 +105,6 @@ class DFlashLane:
                                  f"> capacity {c.capacity}")
         c.pending.append(feats)
         c.pending_rows += feats.shape[0]
-
-    def record_verify_dflash_context(self, req_id: int, verify_feats: torch.Tensor, start: int,
-                                     committed: int) -> None:
-        """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
-        features become context. The new current token (the bonus) has no features yet."""
-        self.append_pending_context(req_id, verify_feats[:committed], start)
 
     def _flush_pending(self, req_ids: list[int]) -> None:
         """Project pending rows (dense ops over many rows at once), then scatter into each context buffer.
@@ -108,14 +142,14 @@ class DFlashLane:
             row += n
 
     @torch.inference_mode()
-    def propose(self, items: list[tuple[int, int, int, int]]) -> list[list[int]]:
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
         """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
         a truncated span just uses fewer of its rows)."""
         drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
         return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
 
     @torch.inference_mode()
-    def propose_logits(self, items: list[tuple[int, int, int, int]], fp32: bool = True) -> torch.Tensor:
+    def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
         """The drafter's logits [N, B-1, V] for rows 1..B-1 of each request's block."""
         req_ids = [r for r, *_ in items]
         self._flush_pending(req_ids)

@@ -1,17 +1,19 @@
 """`refengine memory`: the KV budget table, DFlash off vs on, from two config.json files.
 
     refengine memory --target PATH --draft PATH --gpu-mem-gib 16 --util 0.90
-    python -m refengine.memory_cli --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \
-        --gpu-mem-gib 16
+    refengine memory --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \
+        --gpu-mem-gib 16 --accounting upstream --max-decode-batch 256     # upstream's 16 GB table
 
 PATH is a checkpoint directory holding config.json, or the file itself. With --gpu-mem-gib the device is
 described, not read; without it (and with CUDA) free/total memory are read from the device. No weights are
 loaded either way, so what sits in memory before the pool is estimated: the target weights (exact, from
 config.json) plus --runtime-overhead-mib (CUDA context + a worst-case step's activation peak), one value for
 both rows or OFF,ON for two launches. Its default, 2810,2711 MiB, is what upstream's two launches on a 16 GB
-card measured (solved back from its table, see refengine/memory_plan.py), so `--gpu-mem-gib 16` prints that
-table; measure your own device (refengine.memory_plan.profile_activation_peak) and pass it. The last line
-printed is a JSON summary.
+card measured (solved back from its table, see refengine/memory/planner.py), so `--gpu-mem-gib 16 --accounting
+upstream --max-decode-batch 256` prints that table; measure your own device
+(refengine.memory.device.profile_activation_peak) and pass it. The other defaults (lane accounting, decode
+batch, page size, utilisation) are the engine's own, so the table describes the setup the engine runs.
+The last line printed is a JSON summary.
 """
 from __future__ import annotations
 
@@ -20,13 +22,33 @@ import json
 import sys
 from typing import Any
 
-from refengine.config import ModelConfig
-from refengine.errors import RefEngineError
-from refengine.memory import ACCOUNTINGS, DFlashMemoryReservation, KvBudgetError, load_config, target_weight_bytes
-from refengine.memory_plan import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_MARGIN_BYTES, GiB, MiB,
-                                   DeviceMemory, KvBudgetPlan, mib, plan_kv_budget, read_device_memory)
+from refengine.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, DEFAULT_MEMORY_ACCOUNTING,
+                              DEFAULT_PAGE_SIZE, MEMORY_ACCOUNTINGS, ModelConfig)
+from refengine.errors import KvBudgetError, RefEngineError
+from refengine.memory.planner import DEFAULT_KV_MARGIN_BYTES, GiB, MiB, DeviceMemory, KvBudgetPlan, mib, plan_kv_budget
+from refengine.memory.reservation import DFlashMemoryReservation, load_config, target_weight_bytes
 
-DEFAULT_RUNTIME_OVERHEAD_MIB = "2810,2711"  # upstream's DFlash-off and DFlash-on launches (memory_plan docstring)
+DEFAULT_RUNTIME_OVERHEAD_MIB = "2810,2711"  # upstream's DFlash-off and DFlash-on launches (planner docstring)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {value}")
+    return value
+
+
+def _utilisation(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a fraction in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"wants a fraction in (0, 1], got {value}")
+    return value
 
 
 def _overheads(text: str) -> tuple[float, float]:
@@ -47,11 +69,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="DFlash drafter checkpoint directory or config.json (omit: DFlash off only)")
     p.add_argument("--gpu-mem-gib", type=float, help="plan for a device of this many GiB instead of reading one")
     p.add_argument("--device", default="cuda", help="device to read when --gpu-mem-gib is not given")
-    p.add_argument("--util", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION, help="gpu memory utilisation")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-decode-batch", type=int, default=256)
-    p.add_argument("--max-context", type=int, help="tokens per full-length request (default: the model's limit)")
-    p.add_argument("--accounting", choices=ACCOUNTINGS, default="upstream")
+    p.add_argument("--util", type=_utilisation, default=DEFAULT_GPU_MEMORY_UTILIZATION, help="gpu memory utilisation")
+    p.add_argument("--page-size", type=_positive_int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--max-decode-batch", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"decode batch the drafter scratch is sized for (engine default {DEFAULT_MAX_NUM_SEQS}; "
+                        "upstream's table: 256)")
+    p.add_argument("--max-context", type=_positive_int,
+                   help="tokens per full-length request (default: the model's limit)")
+    p.add_argument("--accounting", choices=MEMORY_ACCOUNTINGS, default=DEFAULT_MEMORY_ACCOUNTING,
+                   help="DFlash reservation: 'lane' (what refengine allocates, the engine default) or 'upstream'")
     p.add_argument("--margin-mib", type=int, default=DEFAULT_KV_MARGIN_BYTES // MiB)
     p.add_argument("--runtime-overhead-mib", type=_overheads, default=_overheads(DEFAULT_RUNTIME_OVERHEAD_MIB),
                    help="CUDA context + worst-case activation peak on top of the target weights, MiB: X for both "
@@ -74,6 +100,7 @@ def _device(args: argparse.Namespace) -> DeviceMemory | None:
     import torch  # lazily: only needed to look for a device
     if not torch.cuda.is_available():
         return None
+    from refengine.memory.device import read_device_memory
     return read_device_memory(args.device)
 
 

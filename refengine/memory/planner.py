@@ -28,18 +28,16 @@ tests and ``refengine memory --runtime-overhead-mib`` take each row's own.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from refengine.config import ModelConfig
-from refengine.errors import UnsupportedConfigError
-from refengine.memory import (ConfigSource, DFlashMemoryReservation, KvBudgetError, load_config,
-                              target_kv_bytes_per_block)
+from refengine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PAGE_SIZE, ModelConfig
+from refengine.errors import KvBudgetError, UnsupportedConfigError
+from refengine.memory.reservation import (ConfigSource, DFlashMemoryReservation, load_config,
+                                          target_kv_bytes_per_block)
 
 MiB = 1 << 20
 GiB = 1 << 30
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 DEFAULT_KV_MARGIN_BYTES = 150 * MiB  # allocator fragmentation and small unprofiled drift
 MIN_KV_BLOCKS = 64                   # smallest pool the scheduler can make progress with
 
@@ -93,6 +91,9 @@ class KvBudgetPlan:
     effective_bytes_per_block: int
     num_blocks: int
     max_context_tokens: int
+    outside_torch_bytes: int = 0  # measured plans: device memory held outside torch's caching allocator
+                                  # (CUDA context, other processes); turns torch's reserved peak into a
+                                  # device-level peak and sets the allocator cap
 
     def __post_init__(self) -> None:
         checks = {
@@ -126,6 +127,11 @@ class KvBudgetPlan:
         """Requests of max_context_tokens (prompt + max_tokens) the pool holds at once."""
         return self.num_blocks // self.blocks_per_full_length_request
 
+    @property
+    def allocator_cap_fraction(self) -> float:
+        """The share of the device torch's caching allocator may hold so the process stays within the plan."""
+        return min(max((self.requested_bytes - self.outside_torch_bytes) / self.total_bytes, 0.0), 1.0)
+
     def summary(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(dflash=self.dflash, pool_bytes=self.pool_bytes, margin_mib=mib(self.margin_bytes),
@@ -140,7 +146,8 @@ def plan_kv_budget(device: DeviceMemory, *, target_config: ConfigSource | ModelC
                    reservation: DFlashMemoryReservation | None = None, activation_peak_bytes: int = 0,
                    margin_bytes: int = DEFAULT_KV_MARGIN_BYTES, page_size: int | None = None,
                    dtype_bytes: int = 2, max_context_tokens: int | None = None,
-                   min_blocks: int = MIN_KV_BLOCKS, min_full_length_requests: int = 0) -> KvBudgetPlan:
+                   min_blocks: int = MIN_KV_BLOCKS, min_full_length_requests: int = 0,
+                   outside_torch_bytes: int = 0) -> KvBudgetPlan:
     """Size the KV pool (formula in the module docstring); `reservation=None` plans with DFlash off.
 
     `device.free_bytes` must be read with the target weights resident, as upstream profiles after loading;
@@ -155,7 +162,7 @@ def plan_kv_budget(device: DeviceMemory, *, target_config: ConfigSource | ModelC
         raise UnsupportedConfigError("activation_peak_bytes and margin_bytes must be >= 0, min_blocks >= 1, "
                                      "min_full_length_requests >= 0")
     if page_size is None:
-        page_size = reservation.page_size if reservation else 16
+        page_size = reservation.page_size if reservation else DEFAULT_PAGE_SIZE
     bytes_per_block = target_kv_bytes_per_block(target, page_size, dtype_bytes)
     context_limit = reservation.max_context_tokens if reservation else target.max_position_embeddings
     if reservation is not None and (reservation.page_size, reservation.target_bytes_per_block) != (
@@ -189,7 +196,8 @@ def plan_kv_budget(device: DeviceMemory, *, target_config: ConfigSource | ModelC
         used_bytes=device.used_bytes, activation_peak_bytes=activation_peak_bytes, base_margin_bytes=margin_bytes,
         dflash_fixed_bytes=fixed, margin_bytes=margin, non_kv_bytes=non_kv, kv_budget_bytes=budget,
         page_size=page_size, bytes_per_block=bytes_per_block, dflash_bytes_per_token=per_token,
-        effective_bytes_per_block=effective, num_blocks=affordable, max_context_tokens=max_context_tokens)
+        effective_bytes_per_block=effective, num_blocks=affordable, max_context_tokens=max_context_tokens,
+        outside_torch_bytes=outside_torch_bytes)
     if plan.max_full_length_requests < min_full_length_requests:
         raise KvBudgetError(
             f"KV pool of {plan.num_blocks} blocks holds {plan.max_full_length_requests} requests of "
@@ -218,61 +226,3 @@ def _advice(utilization: float, reservation: DFlashMemoryReservation | None, con
     if reservation is not None:
         tips.append("turn DFlash off")
     return "To fit: " + "; ".join(tips) + "."
-
-
-@dataclass(frozen=True)
-class ActivationPeak:
-    """One profiled step: how far the CUDA caching allocator rose above where it started."""
-    baseline_allocated_bytes: int
-    peak_allocated_bytes: int
-    baseline_reserved_bytes: int
-    peak_reserved_bytes: int
-    temporary_kv_bytes: int  # a KV buffer allocated only so the dummy step is legal; not activation
-
-    @property
-    def non_kv_peak_increase_bytes(self) -> int:
-        # The device sees what the allocator reserved, which is at least what was allocated.
-        rise = max(self.peak_allocated_bytes - self.baseline_allocated_bytes,
-                   self.peak_reserved_bytes - self.baseline_reserved_bytes)
-        return max(rise - self.temporary_kv_bytes, 0)
-
-
-def profile_activation_peak(step: Callable[[], object], device: str = "cuda", *,
-                            temporary_kv_bytes: int = 0) -> ActivationPeak:
-    """Run one worst-case step (e.g. a max prefill chunk plus max_decode_batch - 1 decode rows) and measure it."""
-    import torch  # lazily: the planner itself runs without torch.cuda
-
-    dev = torch.device(device)
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    base_alloc, base_reserved = torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev)
-    step()
-    torch.cuda.synchronize(dev)
-    return ActivationPeak(base_alloc, torch.cuda.max_memory_allocated(dev), base_reserved,
-                          torch.cuda.max_memory_reserved(dev), temporary_kv_bytes)
-
-
-def read_device_memory(device: str = "cuda") -> DeviceMemory:
-    """Real total / free memory: torch.cuda.mem_get_info (what this process can allocate), named through
-    nvidia-ml-py when it is installed. Both imported lazily so CPU-only installs never need them."""
-    import torch
-
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
-    source = f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    try:
-        import pynvml  # nvidia-ml-py
-        pynvml.nvmlInit()
-        try:
-            # By PCI address: nvml's indices ignore CUDA_VISIBLE_DEVICES, torch's do not.
-            props = torch.cuda.get_device_properties(index)
-            pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
-            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            source += f" (nvml: total {mib(info.total)} MiB, used {mib(info.used)} MiB)"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as e:  # nvml is a cross-check only; torch's numbers are the ones planned with
-        source += f" (nvml unavailable: {type(e).__name__})"
-    return DeviceMemory(total_bytes=int(total), free_bytes=int(free), source=source)

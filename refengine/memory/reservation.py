@@ -1,7 +1,7 @@
 """DFlash memory reservation: what the drafter needs outside the paged KV pool, from config.json alone.
 
 The drafter's weights and per-request buffers do not live in the target's paged KV pool, so they are
-reserved before the pool is sized (DESIGN.md §6), split by how they scale:
+reserved before the pool is sized, split by how they scale:
 
 * per-token bytes grow with the tokens the pool holds; the planner folds them into
   ``effective_bytes_per_block = bytes_per_block + per_token_bytes * page_size``, so the block count shrinks
@@ -34,8 +34,7 @@ q [N*B, Q], k and v [N*B, kv], MLP gate and up [N*B, I], logits for block rows 1
 The pool reserves ceil((prompt + max_tokens) / page) pages for a request's whole life, so the per-token
 term covers the first prompt + max_tokens capacity rows and the headroom the last B, for up to N requests.
 
-The planner (``DeviceMemory``, ``KvBudgetPlan``, ``plan_kv_budget``, ``read_device_memory``,
-``profile_activation_peak``) lives in ``refengine/memory_plan.py`` and is re-exported from here.
+The planner that consumes this reservation is ``refengine.memory.planner``.
 """
 from __future__ import annotations
 
@@ -45,19 +44,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS, DFlashConfig, ModelConfig, read_config_json
-from refengine.errors import RefEngineError, UnsupportedConfigError
+from refengine.config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MEMORY_ACCOUNTING, DEFAULT_PAGE_SIZE,
+                              DRAFT_CONTEXT_FLUSH_ROWS, MEMORY_ACCOUNTINGS, DFlashConfig, ModelConfig,
+                              max_context_tokens, read_config_json)
+from refengine.errors import UnsupportedConfigError
 
-ACCOUNTINGS = ("upstream", "lane")
+ACCOUNTINGS = MEMORY_ACCOUNTINGS
 PER_TOKEN_TERMS = ("draft_kv_bytes_per_token", "context_scratch_bytes_per_token",
                    "tail_scratch_bytes_per_token", "pending_features_bytes_per_token")
 FIXED_TERMS = ("drafter_weights_bytes", "weights_slack_bytes", "batch_dense_scratch_bytes",
                "batch_logits_scratch_bytes", "block_headroom_bytes", "context_flush_scratch_bytes")
 ConfigSource = Union[Mapping[str, Any], str, os.PathLike]
-
-
-class KvBudgetError(RefEngineError):
-    """The device cannot hold a usable KV pool; the message gives the numbers and what to change."""
 
 
 def load_config(source: ConfigSource) -> dict:
@@ -78,13 +75,6 @@ def target_weight_bytes(target: ModelConfig, dtype_bytes: int = 2) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h + 2 * target.head_dim  # + 4 RMSNorm weights
     embeddings = target.vocab_size * h * (1 if target.tie_word_embeddings else 2)
     return dtype_bytes * (target.num_layers * per_layer + embeddings + h)  # + final norm
-
-
-def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None) -> int:
-    """Admission's context cap: the drafter's in-fill block writes B positions past the committed length."""
-    if drafter is None:
-        return target.max_position_embeddings
-    return min(target.max_position_embeddings, drafter.model.max_position_embeddings - drafter.block_size)
 
 
 @dataclass(frozen=True)
@@ -171,9 +161,9 @@ class DFlashMemoryReservation:
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, target_config: ConfigSource, draft_config: ConfigSource, *, page_size: int = 16,
-                    max_decode_batch: int = 256, dtype_bytes: int = 2,
-                    accounting: str = "upstream") -> "DFlashMemoryReservation":
+    def from_config(cls, target_config: ConfigSource, draft_config: ConfigSource, *, page_size: int = DEFAULT_PAGE_SIZE,
+                    max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
+                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> "DFlashMemoryReservation":
         """Read the two config.json files (dicts, checkpoint directories or files) and nothing else."""
         target = ModelConfig.from_hf(load_config(target_config), where="target")
         drafter = DFlashConfig.from_hf(load_config(draft_config))
@@ -182,9 +172,9 @@ class DFlashMemoryReservation:
                                dtype_bytes=dtype_bytes, accounting=accounting)
 
     @classmethod
-    def from_models(cls, target: ModelConfig, drafter: DFlashConfig, *, page_size: int = 16,
-                    max_decode_batch: int = 256, dtype_bytes: int = 2,
-                    accounting: str = "upstream") -> "DFlashMemoryReservation":
+    def from_models(cls, target: ModelConfig, drafter: DFlashConfig, *, page_size: int = DEFAULT_PAGE_SIZE,
+                    max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
+                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> "DFlashMemoryReservation":
         if accounting not in ACCOUNTINGS:
             raise UnsupportedConfigError(f"accounting={accounting!r}: use one of {ACCOUNTINGS}")
         if page_size <= 0 or max_decode_batch <= 0 or dtype_bytes <= 0:
@@ -222,14 +212,3 @@ class DFlashMemoryReservation:
             batch_dense_scratch_bytes=dense, batch_logits_scratch_bytes=logits, block_headroom_bytes=headroom,
             context_flush_scratch_bytes=0 if accounting == "upstream" else flush)
 
-
-_PLAN_NAMES = ("DeviceMemory", "KvBudgetPlan", "plan_kv_budget", "read_device_memory",
-               "profile_activation_peak", "ActivationPeak")
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy re-export: memory_plan imports this module, so a top-level import here would be circular.
-    if name in _PLAN_NAMES:
-        from refengine import memory_plan
-        return getattr(memory_plan, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,56 @@
+"""The seam between the engine and a draft method: the Proposer protocol.
+
+The engine hands a proposer token spans and row counts only. Target hidden states reach it one way: the
+runner stages the tap-layer features of every row it ran for a speculating request (`stage_features`), and
+the scheduler, once it knows how many of those rows are committed, makes them drafter context
+(`commit_context` after a prefill, `record_verify_dflash_context` after a verify). Staged rows that are not
+committed (rejected drafts, a failed step) are dropped. The DFlash lane and the test proposers
+(tests/proposers.py) implement it; there is no base class until a second real draft method exists.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+
+class DraftItem(NamedTuple):
+    """One request's draft: the current token at absolute position `start`, and a verify span of `span`
+    tokens ([current, d_1 .. d_{span-1}]), so span - 1 drafts are wanted."""
+    req_id: int
+    current_token: int
+    start: int
+    span: int
+
+
+class Proposer(Protocol):
+    block_size: int                       # B: the widest verify span
+    capture_layers: tuple[int, ...]       # target layers whose outputs the proposer reads
+
+    def start_request(self, req_id: int, capacity: int) -> None:
+        """A speculating request was admitted; its context will hold at most `capacity` rows."""
+
+    def release(self, req_id: int) -> None:
+        """The request finished (or was aborted): free everything held for it."""
+
+    def live_requests(self) -> set[int]:
+        """Requests the proposer holds state for (check_integrity compares it with the scheduler's)."""
+
+    def context_rows(self, req_id: int) -> int:
+        """Committed context rows (cached + pending): must equal the request's committed KV length."""
+
+    def stage_features(self, req_id: int, first_position: int, feats: torch.Tensor) -> None:
+        """Features [rows, len(capture_layers) * H] of positions [first_position, first_position + rows),
+        held until the scheduler commits some of them."""
+
+    def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
+        """The first `rows` staged rows (starting at `first_position`) become context; the rest are dropped."""
+
+    def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
+        """After a verify at `start` committing `committed` rows ([current, d_1..d_m]): commit those rows."""
+
+    def discard_staged(self) -> None:
+        """Drop every staged row (a step that failed before its commit)."""
+
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+        """span - 1 drafts per item, in item order."""
