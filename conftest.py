@@ -53,8 +53,6 @@ def pytest_configure(config):
     # One intra-op thread: tiny fp32 matmuls gain nothing from more, and on a 2-core box shared by xdist
     # workers, oversubscribed OpenMP threads make them ~100x slower.
     torch.set_num_threads(1)
-    config.addinivalue_line("markers", "gpu: needs CUDA (bf16, FlashInfer); skipped without it")
-    config.addinivalue_line("markers", "slow: long-running (regeneration, big sweeps)")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,8 +11,9 @@ at least top1 - kth: the gates use that *lower bound* and mark the violation `in
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network, whatever the caller forgot
 
@@ -26,7 +26,7 @@ DEFAULT_K = 20
 def _load(model_dir: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
                                                  local_files_only=True)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' .to() typing wraps the device
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +75,7 @@ class DraftGeometry:
     rope_theta: float
 
     @classmethod
-    def from_config(cls, cfg: dict) -> "DraftGeometry":
+    def from_config(cls, cfg: dict) -> DraftGeometry:
         dflash = cfg.get("dflash_config", {})
         rope_params = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or {}

@@ -20,9 +20,10 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Union
+from typing import IO
 
 LOGPROB_DECIMALS = 6  # stored precision: far below every tolerance (the tightest, --check, is 1e-4)
 
@@ -65,7 +66,7 @@ class TopKRecord:
                                   for row in self.topk_logprobs]}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "TopKRecord":
+    def from_json(cls, obj: dict) -> TopKRecord:
         return cls(name=str(obj["name"]), token_ids=[int(t) for t in obj["token_ids"]],
                    topk_ids=[[int(t) for t in row] for row in obj["topk_ids"]],
                    topk_logprobs=[[float(v) for v in row] for row in obj["topk_logprobs"]])
@@ -83,19 +84,19 @@ class GreedyRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, obj: dict) -> "GreedyRecord":
+    def from_json(cls, obj: dict) -> GreedyRecord:
         return cls(name=str(obj["name"]), prompt_ids=[int(t) for t in obj["prompt_ids"]],
                    output_ids=[int(t) for t in obj["output_ids"]])
 
 
-Record = Union[TopKRecord, GreedyRecord]
+Record = TopKRecord | GreedyRecord
 
 
-def _open_text(path: Path, mode: str) -> io.TextIOBase:
+def _open_text(path: Path, mode: str) -> IO[str]:
     if path.suffix == ".gz":
         # mtime=0 and no file name in the header: the same records always give the same bytes, so stored
         # goldens regenerate without a spurious diff.
-        raw = open(path, mode + "b")
+        raw = open(path, mode + "b")  # closed by _ClosingText
         gz = gzip.GzipFile(filename="", mode=mode + "b", fileobj=raw, mtime=0)
         return _ClosingText(gz, raw)
     return open(path, mode, encoding="utf-8", newline="\n")
@@ -104,7 +105,7 @@ def _open_text(path: Path, mode: str) -> io.TextIOBase:
 class _ClosingText(io.TextIOWrapper):
     """A text wrapper over a GzipFile that also closes the underlying file object."""
 
-    def __init__(self, gz: gzip.GzipFile, raw: io.BufferedIOBase) -> None:
+    def __init__(self, gz: gzip.GzipFile, raw: IO[bytes]) -> None:
         super().__init__(gz, encoding="utf-8", newline="\n")
         self._raw = raw
 

@@ -17,9 +17,9 @@ import hashlib
 import json
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import transformers

@@ -16,6 +16,7 @@ import json
 import random
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
           prompt_len: int, output_tokens: int, seed: int = 0, profile: bool = False) -> dict:
     from refengine.engine import Engine
 
-    results = {"target": target, "draft": draft, "device": device, "synthetic_weights": synthetic,
+    results: dict[str, Any] = {"target": target, "draft": draft, "device": device, "synthetic_weights": synthetic,
                "prompt_len": prompt_len, "output_tokens": output_tokens, "rows": []}
     bandwidth = measure_copy_bandwidth(device)
     for spec in ([False, True] if draft else [False]):

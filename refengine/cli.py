@@ -33,11 +33,14 @@ def cmd_generate(args) -> int:
     from refengine import Engine, EngineConfig, SamplingParams
     from refengine.defaults import default_pair
 
+    draft: Path | None
     if args.model is None:
         target, draft = default_pair()
-        draft = None if args.no_draft else (args.dflash_draft_model_path or draft)
+        draft = args.dflash_draft_model_path or draft
     else:
         target, draft = Path(args.model), args.dflash_draft_model_path
+    if args.no_draft:
+        draft = None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = _load_tokenizer(Path(target))
     prompt_text = args.prompt if args.prompt is not None else ("def fibonacci(n):" if tok else "1 2 3 4 5 6 7 8")
@@ -55,8 +58,8 @@ def cmd_generate(args) -> int:
     print(prompt_text + text if tok else text)
     n = len(req.output_ids)
     print(f"\n[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | {device} {engine.config.torch_dtype_name} "
-          f"| finish {req.finish_reason.value} | target {target}]", file=sys.stderr)
-    stats = {"tokens": n, "seconds": round(elapsed, 4), "tok_per_s": round(n / elapsed, 2)}
+          f"| finish {req.finish_reason.value if req.finish_reason else '?'} | target {target}]", file=sys.stderr)
+    stats: dict[str, object] = {"tokens": n, "seconds": round(elapsed, 4), "tok_per_s": round(n / elapsed, 2)}
     if engine.proposer is not None:
         s = req.spec
         hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_hist.items()))

@@ -76,7 +76,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, cfg: dict, where: str = "target") -> "ModelConfig":
+    def from_hf(cls, cfg: dict, where: str = "target") -> ModelConfig:
         arch = cfg.get("architectures") or []
         if cfg.get("model_type") != "qwen3":
             raise UnsupportedConfigError(
@@ -119,7 +119,7 @@ class DFlashConfig:
             raise UnsupportedConfigError("drafter dflash_config.target_layer_ids is empty")
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "DFlashConfig":
+    def from_hf(cls, cfg: dict) -> DFlashConfig:
         dcfg = cfg.get("dflash_config") or {}
         block = cfg.get("block_size", dcfg.get("block_size"))  # top level in z-lab b16; nested in newer ones
         if block is None:
@@ -173,9 +173,11 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
     page_size: int = DEFAULT_PAGE_SIZE
     num_blocks: int | None = None         # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # cuda: share of total memory the process may use (planned, then
-                                          # enforced as a cap on torch's caching allocator)
-    memory_accounting: str = DEFAULT_MEMORY_ACCOUNTING  # DFlash reservation: "lane" (what this engine allocates) or "upstream"
+    # cuda: the share of total memory the process may use (planned, then enforced as a cap on torch's
+    # caching allocator)
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # DFlash reservation: "lane" (what this engine allocates) or "upstream" (upstream's formula)
+    memory_accounting: str = DEFAULT_MEMORY_ACCOUNTING
     max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window). On CUDA
                                           # the planner profiles the longest forward the engine may run,
                                           # max(max_prefill_tokens, context): cap it on small devices

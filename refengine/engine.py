@@ -52,7 +52,7 @@ class Engine:
         self.kv_plan: KvBudgetPlan | None = None
         num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
         self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
-                        if draft_cfg is not None else None)
+                        if config.draft_path else None)
         self.proposer: Proposer | None = proposer if proposer is not None else (
             DFlashLane(self.drafter) if self.drafter is not None and config.speculative else None)
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,

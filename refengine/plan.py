@@ -6,7 +6,6 @@ carry token ids and counts only: target hidden states stay between the runner an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 from refengine.kv.pool import SpecReservation
 from refengine.request import Request
@@ -31,7 +30,7 @@ class VerifyPlan:
     reservation: SpecReservation
 
 
-Plan = Union[PrefillPlan, DecodePlan, VerifyPlan]
+Plan = PrefillPlan | DecodePlan | VerifyPlan
 
 
 @dataclass

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from refengine.errors import InvalidRequestError
 
-
 MAX_LOGPROBS = 64  # most top tokens a request may ask for per position
 
 
@@ -67,7 +66,7 @@ class SpecStats:
         self.committed_tokens += committed
         self.accepted_hist[committed] += 1
 
-    def merge(self, other: "SpecStats") -> None:
+    def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps
         self.committed_tokens += other.committed_tokens
         self.accepted_hist.update(other.accepted_hist)

@@ -48,6 +48,13 @@ class Scheduler:
         else:
             self.waiting.append(req)
 
+    @property
+    def active_proposer(self) -> Proposer:
+        """The proposer, for code that only runs for speculating requests (so there is one)."""
+        if self.proposer is None:
+            raise AlignmentError("a speculative path ran with no proposer loaded")
+        return self.proposer
+
     def eligible(self, req: Request) -> bool:
         """Speculate only for greedy requests without logprobs, when a proposer is loaded."""
         return self.proposer is not None and req.params.logprobs == 0
@@ -58,11 +65,13 @@ class Scheduler:
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
-        admitted, tokens = [], 0
+        admitted: list[Request] = []
+        tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
             lifetime = len(req.prompt_ids) + req.params.max_tokens
-            if (admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens) or not self.pool.can_admit(lifetime):
+            over_chunk = admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens
+            if over_chunk or not self.pool.can_admit(lifetime):
                 break  # FIFO: later requests wait behind the head
             self.waiting.popleft()
             self.pool.admit(req.request_id, lifetime)
@@ -74,13 +83,13 @@ class Scheduler:
             capture = [self.eligible(r) for r in admitted]
             for r, c in zip(admitted, capture):
                 if c:
-                    self.proposer.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
+                    self.active_proposer.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
             return PrefillPlan(admitted, capture)
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            spans = [min(self.proposer.block_size, r.remaining) for r in spec]
+            spans = [min(self.active_proposer.block_size, r.remaining) for r in spec]
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             return VerifyPlan(spec, spans, res)
         if plain:
@@ -108,7 +117,7 @@ class Scheduler:
                 if result.topk:
                     req.topk.extend(result.topk[i])
                 if plan.capture[i]:
-                    self.proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
+                    self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             for i, req in enumerate(plan.requests):
@@ -121,7 +130,7 @@ class Scheduler:
             for (req_id, start, _span), req, vr in zip(self.pool.speculative_view(plan.reservation),
                                                        plan.requests, results):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
-                self.proposer.record_verify_dflash_context(req_id, start, vr.committed)
+                self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
                 req.spec.record(vr.committed)
                 self._append(req, vr.new_tokens)
             self.pool.revert_schedule(plan.reservation)
@@ -139,9 +148,9 @@ class Scheduler:
             kv = self.pool.seq_len[req.request_id]
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
-            if self.eligible(req) and self.proposer.context_rows(req.request_id) != kv:
+            if self.eligible(req) and self.active_proposer.context_rows(req.request_id) != kv:
                 raise AlignmentError(f"request {req.request_id}: drafter context rows "
-                                     f"{self.proposer.context_rows(req.request_id)} != committed KV length {kv}")
+                                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}")
         self.running = keep
 
     def check_integrity(self) -> None:
@@ -167,6 +176,7 @@ class Scheduler:
             if live != spec:
                 raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
             for rid in spec:
-                if self.proposer.context_rows(rid) != self.pool.seq_len[rid]:
-                    raise IntegrityError(f"request {rid}: drafter context rows {self.proposer.context_rows(rid)} "
+                rows = self.proposer.context_rows(rid)
+                if rows != self.pool.seq_len[rid]:
+                    raise IntegrityError(f"request {rid}: drafter context rows {rows} "
                                          f"!= committed KV {self.pool.seq_len[rid]}")

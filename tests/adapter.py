@@ -4,8 +4,6 @@ Tests are the only place that imports both packages; the same records could come
 """
 from __future__ import annotations
 
-import torch
-
 from golden.records import TopKRecord
 from refengine import Engine, EngineConfig, SamplingParams
 

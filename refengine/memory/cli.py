@@ -22,10 +22,16 @@ import json
 import sys
 from typing import Any
 
-from refengine.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, DEFAULT_MEMORY_ACCOUNTING,
-                              DEFAULT_PAGE_SIZE, MEMORY_ACCOUNTINGS, ModelConfig)
+from refengine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MEMORY_ACCOUNTING,
+    DEFAULT_PAGE_SIZE,
+    MEMORY_ACCOUNTINGS,
+    ModelConfig,
+)
 from refengine.errors import KvBudgetError, RefEngineError
-from refengine.memory.planner import DEFAULT_KV_MARGIN_BYTES, GiB, MiB, DeviceMemory, KvBudgetPlan, mib, plan_kv_budget
+from refengine.memory.planner import DEFAULT_KV_MARGIN_BYTES, DeviceMemory, GiB, KvBudgetPlan, MiB, mib, plan_kv_budget
 from refengine.memory.reservation import DFlashMemoryReservation, load_config, target_weight_bytes
 
 DEFAULT_RUNTIME_OVERHEAD_MIB = "2810,2711"  # upstream's DFlash-off and DFlash-on launches (planner docstring)
@@ -143,7 +149,8 @@ def run_memory(args: argparse.Namespace) -> int:
     print(f"device: {mib(device.total_bytes)} MiB total, {mib(device.free_bytes)} MiB free ({device.source}); "
           f"utilisation {args.util:.2f}")
     print(f"before the pool: target weights {mib(weights)} MiB (config.json) + runtime overhead off "
-          f"{mib(overheads['off'])} / on {mib(overheads['on'])} MiB (--runtime-overhead-mib) + margin {args.margin_mib} MiB")
+          f"{mib(overheads['off'])} / on {mib(overheads['on'])} MiB (--runtime-overhead-mib) "
+          f"+ margin {args.margin_mib} MiB")
     if reservation is not None:
         _print_reservation(reservation)
 
@@ -156,7 +163,8 @@ def run_memory(args: argparse.Namespace) -> int:
                                 "fixed_bytes": reservation.fixed_bytes,
                                 "bytes_per_block": reservation.target_bytes_per_block,
                                 "effective_bytes_per_block": reservation.effective_bytes_per_block}}
-    rows, failed = [HEADER], False
+    rows: list[tuple[str, ...]] = [HEADER]
+    failed = False
     for name, key, res in (("DFlash off", "off", None), ("DFlash on", "on", reservation)):
         if key == "on" and reservation is None:
             summary[key] = None

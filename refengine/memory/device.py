@@ -55,7 +55,8 @@ def read_device_memory(device: str = "cuda") -> DeviceMemory:
         try:
             # By PCI address: nvml's indices ignore CUDA_VISIBLE_DEVICES, torch's do not.
             props = torch.cuda.get_device_properties(index)
-            pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+            pci = "{:08X}:{:02X}:{:02X}.0".format(*(getattr(props, f"pci_{part}_id") for part in
+                                                    ("domain", "bus", "device")))  # untyped in torch's stubs
             handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
             source += f" (nvml: total {mib(info.total)} MiB, used {mib(info.used)} MiB)"

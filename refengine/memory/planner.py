@@ -33,8 +33,7 @@ from typing import Any
 
 from refengine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_PAGE_SIZE, ModelConfig
 from refengine.errors import KvBudgetError, UnsupportedConfigError
-from refengine.memory.reservation import (ConfigSource, DFlashMemoryReservation, load_config,
-                                          target_kv_bytes_per_block)
+from refengine.memory.reservation import ConfigSource, DFlashMemoryReservation, load_config, target_kv_bytes_per_block
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -57,13 +56,14 @@ class DeviceMemory:
     def __post_init__(self) -> None:
         if self.total_bytes <= 0 or not 0 <= self.free_bytes <= self.total_bytes:
             raise UnsupportedConfigError(
-                f"device memory total={self.total_bytes} B, free={self.free_bytes} B: need 0 <= free <= total, total > 0")
+                f"device memory total={self.total_bytes} B, free={self.free_bytes} B: "
+                "need 0 <= free <= total, total > 0")
 
     @property
     def used_bytes(self) -> int:
         return self.total_bytes - self.free_bytes
 
-    def after_loading(self, nbytes: int, what: str) -> "DeviceMemory":
+    def after_loading(self, nbytes: int, what: str) -> DeviceMemory:
         """The same device once `nbytes` more are resident (e.g. the target weights, when planning ahead)."""
         if nbytes > self.free_bytes:
             raise KvBudgetError(

@@ -32,6 +32,13 @@ def profile_step(target: Qwen3Model, config: EngineConfig, capture: tuple[int, .
     before the measurement starts (so the KV is not counted).
     The attention backend (FlashInfer's workspace) is built inside the measured step: the engine allocates
     its own after planning, so it belongs to what the plan must leave room for."""
+    peak = _profile_forward(target, config, capture, rows, max_context)  # its temporaries are gone on return
+    torch.cuda.empty_cache()
+    return peak
+
+
+def _profile_forward(target: Qwen3Model, config: EngineConfig, capture: tuple[int, ...], rows: int,
+                     max_context: int) -> int:
     cfg, page = target.cfg, config.page_size
     # as many requests as it takes: no row may sit past the context (RoPE tables end there)
     lens = [min(max_context, rows - lo) for lo in range(0, rows, max_context)]
@@ -53,10 +60,7 @@ def profile_step(target: Qwen3Model, config: EngineConfig, capture: tuple[int, .
             read_logits(target, hidden[-min(rows, LOGIT_CHUNK_ROWS):], MAX_LOGPROBS)
 
     # The temporary pool exists before the baseline is read, so the measured rise holds no KV to subtract.
-    peak = profile_activation_peak(step, str(target.device), temporary_kv_bytes=0)
-    del pool, batch
-    torch.cuda.empty_cache()
-    return peak.non_kv_peak_increase_bytes
+    return profile_activation_peak(step, str(target.device), temporary_kv_bytes=0).non_kv_peak_increase_bytes
 
 
 def plan_device_pool(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None,

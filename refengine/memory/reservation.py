@@ -42,11 +42,20 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from pathlib import Path
+from typing import Any
 
-from refengine.config import (DEFAULT_MAX_NUM_SEQS, DEFAULT_MEMORY_ACCOUNTING, DEFAULT_PAGE_SIZE,
-                              DRAFT_CONTEXT_FLUSH_ROWS, MEMORY_ACCOUNTINGS, DFlashConfig, ModelConfig,
-                              max_context_tokens, read_config_json)
+from refengine.config import (
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MEMORY_ACCOUNTING,
+    DEFAULT_PAGE_SIZE,
+    DRAFT_CONTEXT_FLUSH_ROWS,
+    MEMORY_ACCOUNTINGS,
+    DFlashConfig,
+    ModelConfig,
+    max_context_tokens,
+    read_config_json,
+)
 from refengine.errors import UnsupportedConfigError
 
 ACCOUNTINGS = MEMORY_ACCOUNTINGS
@@ -54,14 +63,14 @@ PER_TOKEN_TERMS = ("draft_kv_bytes_per_token", "context_scratch_bytes_per_token"
                    "tail_scratch_bytes_per_token", "pending_features_bytes_per_token")
 FIXED_TERMS = ("drafter_weights_bytes", "weights_slack_bytes", "batch_dense_scratch_bytes",
                "batch_logits_scratch_bytes", "block_headroom_bytes", "context_flush_scratch_bytes")
-ConfigSource = Union[Mapping[str, Any], str, os.PathLike]
+ConfigSource = Mapping[str, Any] | str | os.PathLike
 
 
 def load_config(source: ConfigSource) -> dict:
     """A config.json as a dict: given as a dict, a checkpoint directory, or the config.json file."""
     if isinstance(source, Mapping):
         return dict(source)
-    return read_config_json(source)
+    return read_config_json(Path(source))
 
 
 def target_kv_bytes_per_block(target: ModelConfig, page_size: int, dtype_bytes: int = 2) -> int:
@@ -163,7 +172,7 @@ class DFlashMemoryReservation:
     @classmethod
     def from_config(cls, target_config: ConfigSource, draft_config: ConfigSource, *, page_size: int = DEFAULT_PAGE_SIZE,
                     max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
-                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> "DFlashMemoryReservation":
+                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> DFlashMemoryReservation:
         """Read the two config.json files (dicts, checkpoint directories or files) and nothing else."""
         target = ModelConfig.from_hf(load_config(target_config), where="target")
         drafter = DFlashConfig.from_hf(load_config(draft_config))
@@ -174,7 +183,7 @@ class DFlashMemoryReservation:
     @classmethod
     def from_models(cls, target: ModelConfig, drafter: DFlashConfig, *, page_size: int = DEFAULT_PAGE_SIZE,
                     max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
-                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> "DFlashMemoryReservation":
+                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> DFlashMemoryReservation:
         if accounting not in ACCOUNTINGS:
             raise UnsupportedConfigError(f"accounting={accounting!r}: use one of {ACCOUNTINGS}")
         if page_size <= 0 or max_decode_batch <= 0 or dtype_bytes <= 0:

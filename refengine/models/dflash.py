@@ -32,7 +32,7 @@ class DFlashDrafter:
         self.rope = Rope(self.mcfg.head_dim, self.mcfg.rope_theta, self.mcfg.max_position_embeddings, fc.device)
 
     @classmethod
-    def load(cls, path: str | Path, target: Qwen3Model, synthetic: bool = False) -> "DFlashDrafter":
+    def load(cls, path: str | Path, target: Qwen3Model, synthetic: bool = False) -> DFlashDrafter:
         cfg = DFlashConfig.from_hf(read_config_json(path))
         cfg.check_fits(target.cfg)
         m = cfg.model

@@ -69,7 +69,7 @@ class DecoderLayerWeights:
                 "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
 
     @classmethod
-    def load(cls, src: TensorSource, prefix: str, cfg: ModelConfig, dtype, device) -> "DecoderLayerWeights":
+    def load(cls, src: TensorSource, prefix: str, cfg: ModelConfig, dtype, device) -> DecoderLayerWeights:
         shapes = cls.shapes(cfg)
         return cls(**{k: src.get(n, shapes[k], dtype, device) for k, n in cls.names(prefix).items()})
 

@@ -27,7 +27,7 @@ class Qwen3Model:
 
     @classmethod
     def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu", synthetic: bool = False) -> "Qwen3Model":
+             device: str | torch.device = "cpu", synthetic: bool = False) -> Qwen3Model:
         """Load by HF names; synthetic=True draws seeded random weights from config.json alone."""
         cfg = ModelConfig.from_hf(read_config_json(path))
         src = tensor_source(path, synthetic)

@@ -46,7 +46,7 @@ class ModelRunner:
         offsets = [0]
         for n in batch.q_lens:
             offsets.append(offsets[-1] + n)
-        if feats is not None:
+        if feats is not None and self.proposer is not None:
             for i, (req_id, start, _n) in enumerate(spans):
                 if capture[i]:
                     self.proposer.stage_features(req_id, start, feats[offsets[i]:offsets[i + 1]])

@@ -54,5 +54,6 @@ def test_batched_drafter_matches_dense_oracle(model_pair, seed, monkeypatch):
             delta = (got[i] - want).abs()
             assert delta.max().item() < LOGIT_ATOL, (
                 f"request {r} (context {done[r]}, batch {len(ready)}): max |delta| {delta.max().item():.3e}, "
-                f"mean {delta.mean().item():.3e}, first row over tol {int((delta.amax(-1) >= LOGIT_ATOL).nonzero()[0])}")
+                f"mean {delta.mean().item():.3e}, "
+                f"first row over tol {int((delta.amax(-1) >= LOGIT_ATOL).nonzero()[0])}")
             assert got[i].argmax(-1).tolist() == want.argmax(-1).tolist()

@@ -1,4 +1,4 @@
-"""The HF gate (DESIGN section 7) on the stored goldens: the engine's teacher-forced top-k at every position
+"""The HF gate (docs/GOLDEN.md) on the stored goldens: the engine's teacher-forced top-k at every position
 of every golden sequence against HF transformers' (prompt through prefill, continuation through decode),
 at bs=1 and with all sequences advancing together in one batch (cross-request isolation); two bs=1 runs
 are bit-identical; and the gate has teeth: a model with query RoPE positions off by one, or K/V written one slot
@@ -9,7 +9,6 @@ Run: pytest tests/golden/test_hf_gate.py     (CPU, fp32 tolerances from golden/g
 from __future__ import annotations
 
 import pytest
-import torch
 
 from golden.gates import FP32, hf_gate
 from golden.regen import load_golden

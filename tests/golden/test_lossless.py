@@ -70,7 +70,8 @@ def test_lossless_dflash_concurrent_heterogeneous_budgets(model_pair):
     plain = greedy(cpu_engine(model_pair.target), prompts, budgets, ign)
     engine = cpu_engine(model_pair.target, model_pair.draft)
     # half submitted together, half staggered in while the first half is mid-generation
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=ign)) for p, m in zip(prompts[:7], budgets[:7])]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=ign))
+            for p, m in zip(prompts[:7], budgets[:7])]
     for _ in range(3):
         engine.step()
     for p, m in zip(prompts[7:], budgets[7:]):

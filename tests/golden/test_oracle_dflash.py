@@ -69,8 +69,12 @@ def zlab_layout_draft_logits(ctx_feat: torch.Tensor, current: int, start: int) -
     are concatenated with the normed block rows *before* k/v projection, RoPE is HF's over positions
     0..start+B-1 (queries take the last B), attention is SDPA with is_causal=False."""
     from transformers import AutoConfig
-    from transformers.models.qwen3.modeling_qwen3 import (Qwen3RMSNorm, Qwen3RotaryEmbedding,
-                                                          apply_rotary_pos_emb, repeat_kv)
+    from transformers.models.qwen3.modeling_qwen3 import (
+        Qwen3RMSNorm,
+        Qwen3RotaryEmbedding,
+        apply_rotary_pos_emb,
+        repeat_kv,
+    )
 
     cfg = AutoConfig.from_pretrained(DRAFT, local_files_only=True)
     w = read_safetensors(DRAFT)

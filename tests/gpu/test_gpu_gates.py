@@ -15,7 +15,6 @@ import pytest
 
 from golden.gates import BF16, MARGIN_TOL, first_divergence_regret_gate, hf_gate
 from golden.regen import load_golden
-from refengine import SamplingParams
 from tests.adapter import gpu_engine, greedy, score_sequences
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +52,8 @@ def _gate_all(pair, prompts, plain, spec, spec_engine, label):
         rep = first_divergence_regret_gate(p, b, s, score, tol=MARGIN_TOL, reanchor=True, name=f"{label}-{i}")
         reports.append(rep)
     print(f"\n[{pair.name} {label}] " + "; ".join(
-        f"#{i}: div {r.first_divergence} regret {r.first_regret:.3f} flips {r.tie_flips}" for i, r in enumerate(reports)))
+        f"#{i}: div {r.first_divergence} regret {r.first_regret:.3f} flips {r.tie_flips}"
+        for i, r in enumerate(reports)))
     for r in reports:
         r.assert_passes()
 

@@ -1,7 +1,8 @@
 """The KV planner on a real GPU at Qwen3-4B shapes (synthetic weights from the shape-only configs), DFlash on,
 utilisation 0.90: the pool is filled with concurrent long requests up to its admission limit (one more waits)
 and all run to the end with no out-of-memory error; the measured peak (allocated, and reserved by the
-caching allocator, which the engine caps at the plan) stays under the planned budget; and the tight ("lane") reservation never under-reserves what the drafter lane really allocates
+caching allocator, which the engine caps at the plan) stays under the planned budget; and the tight ("lane")
+reservation never under-reserves what the drafter lane really allocates
 (persistent context K/V and pending features, and the transient peak of a batched draft).
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_memory.py -s
@@ -75,7 +76,8 @@ def test_qwen3_4b_shapes_fill_pool_to_admission_limit(accounting):
           f"draft transient {draft_peak['bytes'] / 2**20:.1f} MiB at batch {draft_peak['batch']} <= reserved scratch "
           f"{lane_reserved_scratch / 2**20:.1f} MiB")
     allocated = plan.outside_torch_bytes + alloc_peak
-    assert allocated <= plan.requested_bytes, f"allocated peak {allocated:,} B over the planned {plan.requested_bytes:,} B"
+    assert allocated <= plan.requested_bytes, \
+        f"allocated peak {allocated:,} B over the planned {plan.requested_bytes:,} B"
     assert measured <= plan.requested_bytes, f"device peak {measured:,} B over the planned {plan.requested_bytes:,} B"
     assert max_lane_bytes <= lane_reserved_per_token
     assert draft_peak["bytes"] <= lane_reserved_scratch

@@ -1,4 +1,4 @@
-"""Every bad input gets a clear, typed error and loses nothing (DESIGN section 9): broken checkpoints,
+"""Every bad input gets a clear, typed error and loses nothing: broken checkpoints,
 drafters that do not fit, unsupported configs, and requests rejected at admission (context length at the
 limit and one past it, KV budget, empty / out-of-vocab prompts, max_tokens <= 0) while the engine keeps
 serving everyone else.
@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures.build.random_pair import build_random_pair, draft_config, target_config, write_checkpoint
-from refengine import Engine, EngineConfig, FinishReason, SamplingParams
+from fixtures.build.random_pair import build_random_pair, draft_config, write_checkpoint
+from refengine import FinishReason, SamplingParams
 from refengine.errors import CheckpointError, InvalidRequestError, UnsupportedConfigError
 from refengine.request import RejectReason
 from tests.adapter import cpu_engine
@@ -52,7 +52,8 @@ def test_misshaped_tensor_names_expected_and_actual(pair_copy):
 
 def test_misnamed_tensor_is_reported(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.__setitem__("model.layers.0.mlp.gate.weight", ts.pop("model.layers.0.mlp.gate_proj.weight")))
+    _edit_tensors(t, lambda ts: ts.__setitem__("model.layers.0.mlp.gate.weight",
+                                               ts.pop("model.layers.0.mlp.gate_proj.weight")))
     with pytest.raises(CheckpointError, match="gate_proj"):
         cpu_engine(t)
 

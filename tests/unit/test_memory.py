@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS, DFlashConfig, ModelConfig
 from refengine.errors import CheckpointError, KvBudgetError, RefEngineError, UnsupportedConfigError
-from refengine.memory.cli import add_memory_parser, run_memory
-from refengine.memory.planner import GiB, MiB, DeviceMemory, KvBudgetPlan, mib, plan_kv_budget
+from refengine.memory.cli import add_memory_parser
+from refengine.memory.planner import DeviceMemory, GiB, KvBudgetPlan, MiB, mib, plan_kv_budget
 from refengine.memory.reservation import DFlashMemoryReservation, load_config, target_weight_bytes
 
 CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
@@ -98,7 +98,8 @@ def test_bad_configs_fail_with_typed_errors():
 
 
 # -- lane accounting: what the drafter lane allocates, as real CPU tensors --------------------------------------
-def lane_buffers(target: ModelConfig, drafter: DFlashConfig, lifetimes: list[int], max_batch: int) -> list[torch.Tensor]:
+def lane_buffers(target: ModelConfig, drafter: DFlashConfig, lifetimes: list[int],
+                 max_batch: int) -> list[torch.Tensor]:
     """The lane's allocations: per request context K/V and pending features; one shared batch scratch."""
     d, block, dt = drafter.model, drafter.block_size, torch.bfloat16
     taps = len(drafter.target_layer_ids)
@@ -181,7 +182,7 @@ def test_drafter_weights_fit_in_weights_plus_slack():
         shapes += [(h,), (h,), (d.q_dim, h), (d.kv_dim, h), (d.kv_dim, h), (h, d.q_dim), (d.head_dim,),
                    (d.head_dim,), (d.intermediate_size, h), (d.intermediate_size, h), (h, d.intermediate_size)]
     tensors = [torch.empty(s, dtype=torch.bfloat16, device="meta") for s in shapes]
-    assert len(tensors) == 58  # reference/dflash.md §2.3
+    assert len(tensors) == 58  # the z-lab drafter's tensor list: 5 layers x 11 + fc, hidden_norm, norm
     stored = sum(t.numel() * t.element_size() for t in tensors)
     r = reservation()
     check("stored drafter bytes", stored, 1_074_854_400)
