@@ -53,13 +53,16 @@ def open_safetensors(f: Path, checkpoint: Path):
                               f"A truncated or interrupted download? Fetch {f.name} again.") from e
 
 
-def check_finite(t: torch.Tensor, name: str, f: Path, source_dtype: torch.dtype) -> None:
-    """NaN/Inf in a loaded tensor is a CheckpointError naming it (chunked, so the check costs no big transient)."""
+def check_finite(t: torch.Tensor, name: str, f: Path, source: torch.Tensor) -> None:
+    """NaN/Inf in loaded tensor `t` (converted from `source`) is a CheckpointError naming it. Chunked, so the
+    check costs no transient bigger than 16 MiB; the counts are taken on the error path only."""
     flat = t.reshape(-1)
     if all(bool(torch.isfinite(c).all()) for c in flat.split(FINITE_CHECK_CHUNK)):
         return
     nan, inf = int(torch.isnan(flat).sum()), int(torch.isinf(flat).sum())
-    cast = f" after conversion from {source_dtype} to {t.dtype} (values overflow it)" if t.dtype != source_dtype else ""
+    cast = ""
+    if bool(torch.isfinite(source).all()):  # finite as stored: the conversion overflowed
+        cast = f" after conversion from {source.dtype} to {t.dtype} (values overflow it)"
     raise CheckpointError(f"{f}: tensor {name!r} holds {nan} NaN and {inf} Inf values of {flat.numel()}{cast}; "
                           f"refusing to load non-finite weights")
 
@@ -93,7 +96,7 @@ class TensorSource:
         if not t.is_floating_point():
             raise CheckpointError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a floating-point weight")
         out = t.to(device=device, dtype=dtype)
-        check_finite(out, name, f, t.dtype)
+        check_finite(out, name, f, t)
         return out
 
     def check_no_extra(self, expected: set[str], ignore_prefixes: tuple[str, ...] = ()) -> None:
