@@ -28,7 +28,7 @@ def type_name(value) -> str:
 
 
 def _short(value) -> str:
-    r = repr(value)
+    r = repr(value.item() if isinstance(value, np.generic) else value)  # numpy 2 reprs: np.float64(3.0)
     return r if len(r) <= 60 else r[:57] + "..."
 
 
