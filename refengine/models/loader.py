@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from refengine.checkpoint_json import read_json_object
 from refengine.errors import CheckpointError
 
-FINITE_CHECK_CHUNK = 1 << 24  # elements per isfinite() pass: bounds the bool transient to 16 MiB per tensor
+FINITE_CHECK_CHUNK = 1 << 22  # elements per isfinite() pass: a 4 MiB bool transient (the drafter loads after KV planning)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -55,7 +55,7 @@ def open_safetensors(f: Path, checkpoint: Path):
 
 def check_finite(t: torch.Tensor, name: str, f: Path, source: torch.Tensor) -> None:
     """NaN/Inf in loaded tensor `t` (converted from `source`) is a CheckpointError naming it. Chunked, so the
-    check costs no transient bigger than 16 MiB; the counts are taken on the error path only."""
+    check costs no transient bigger than 4 MiB; the counts are taken on the error path only."""
     flat = t.reshape(-1)
     if all(bool(torch.isfinite(c).all()) for c in flat.split(FINITE_CHECK_CHUNK)):
         return
