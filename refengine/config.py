@@ -5,7 +5,6 @@ Every config is a frozen dataclass validated at construction, so a bad value fai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from refengine.checkpoint_json import (  # noqa: F401  (read_config_json, read_stop_ids: re-exported)
     bool_field, check_int, field_error, int_field, json_kind, positive_float, read_config_json, read_stop_ids,

@@ -79,8 +79,8 @@ def validate_token_ids(ids, vocab_size: int, field: str) -> list[int]:
                                   f"token ids (tokenize text first)")
     if isinstance(ids, (np.ndarray, torch.Tensor)):
         if ids.ndim != 1:
-            raise InvalidRequestError(f"{field} has shape {list(ids.shape)} ({type_name(ids)}): expected a 1-d sequence "
-                                      f"of token ids (one request per call)")
+            raise InvalidRequestError(f"{field} has shape {list(ids.shape)} ({type_name(ids)}): expected a 1-d "
+                                      f"sequence of token ids (one request per call)")
         integral = (ids.dtype.kind in "iu" if isinstance(ids, np.ndarray) else
                     not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool))
         values = ids.tolist() if integral else list(ids)  # not integral: the loop below names the first bad one

@@ -14,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 from refengine.checkpoint_json import read_json_object
 from refengine.errors import CheckpointError
 
-FINITE_CHECK_CHUNK = 1 << 22  # elements per isfinite() pass: a 4 MiB bool transient (the drafter loads after KV planning)
+FINITE_CHECK_CHUNK = 1 << 22  # elements per isfinite() pass: a 4 MiB bool transient (drafter loads after KV plan)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
