@@ -32,6 +32,7 @@ def cmd_generate(args) -> int:
 
     from refengine import Engine, EngineConfig, SamplingParams
     from refengine.defaults import default_pair
+    from refengine.validation import decode_prompt_arg
 
     draft: Path | None
     if args.model is None:
@@ -43,11 +44,12 @@ def cmd_generate(args) -> int:
         draft = None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = _load_tokenizer(Path(target))
-    prompt_text = args.prompt if args.prompt is not None else ("def fibonacci(n):" if tok else "1 2 3 4 5 6 7 8")
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # fails before any load
+    prompt_text = decode_prompt_arg(args.prompt) if args.prompt is not None else (
+        "def fibonacci(n):" if tok else "1 2 3 4 5 6 7 8")
     prompt_ids = tok.encode(prompt_text).ids if tok else _parse_ids(prompt_text)
     engine = Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device,
                                  dtype=args.dtype))
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     t0 = time.perf_counter()
     (req,) = engine.generate([prompt_ids], params)
     elapsed = time.perf_counter() - t0

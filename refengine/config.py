@@ -4,10 +4,20 @@ Every config is a frozen dataclass validated at construction, so a bad value fai
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
+from refengine.checkpoint_json import (  # noqa: F401  (read_config_json, read_stop_ids: re-exported)
+    bool_field,
+    check_int,
+    field_error,
+    int_field,
+    json_kind,
+    positive_float,
+    read_config_json,
+    read_stop_ids,
+    token_ids_field,
+    where_of,
+)
 from refengine.errors import CheckpointError, UnsupportedConfigError
 
 # The drafter lane projects pending context rows (fc -> hidden_norm -> per-layer K/V) this many at a time, so
@@ -20,24 +30,6 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
-
-
-def read_config_json(path: str | Path) -> dict:
-    """config.json from a checkpoint directory (or the file itself)."""
-    p = Path(path)
-    p = p / "config.json" if p.is_dir() else p
-    if not p.is_file():
-        raise CheckpointError(f"{p}: no config.json (expected a checkpoint directory with config.json)")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p}: not valid JSON ({e})") from e
-
-
-def _need(cfg: dict, key: str, where: str):
-    if key not in cfg or cfg[key] is None:
-        raise CheckpointError(f"{where}: config.json lacks required field {key!r}")
-    return cfg[key]
 
 
 @dataclass(frozen=True)
@@ -77,30 +69,42 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, where: str = "target") -> ModelConfig:
+        """Parse an HF config.json dict (read_config_json's names its file in every error). A wrong JSON type
+        or an out-of-range value is a CheckpointError naming the file, field and value; a feature refengine
+        does not implement is an UnsupportedConfigError."""
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{where} config.json must be a JSON object, got a JSON {json_kind(cfg)}")
         arch = cfg.get("architectures") or []
         if cfg.get("model_type") != "qwen3":
             raise UnsupportedConfigError(
                 f"{where}: model_type={cfg.get('model_type')!r} ({arch}); refengine serves Qwen3 only")
         if cfg.get("rope_scaling"):
             raise UnsupportedConfigError(f"{where}: rope_scaling={cfg['rope_scaling']} is not supported")
-        if cfg.get("use_sliding_window"):
+        rope = cfg.get("rope_parameters")  # the transformers 5 spelling of rope_theta + rope_scaling
+        if rope is not None and not isinstance(rope, dict):
+            raise field_error(cfg, where, "rope_parameters", rope, "an object")
+        rope = rope or {}
+        if rope.get("rope_type", "default") != "default":
+            raise UnsupportedConfigError(f"{where}: rope_parameters={rope} is not supported (default RoPE only)")
+        if bool_field(cfg, where, "use_sliding_window", False):
             raise UnsupportedConfigError(f"{where}: sliding-window attention is not supported")
-        if cfg.get("attention_bias"):
+        if bool_field(cfg, where, "attention_bias", False):
             raise UnsupportedConfigError(f"{where}: attention_bias=true is not Qwen3")
-        heads = _need(cfg, "num_attention_heads", where)
-        hidden = _need(cfg, "hidden_size", where)
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1000000.0)
+        heads, hidden = int_field(cfg, where, "num_attention_heads"), int_field(cfg, where, "hidden_size")
+        theta_key = "rope_theta" if cfg.get("rope_theta") is not None else "rope_parameters.rope_theta"
+        theta = cfg["rope_theta"] if theta_key == "rope_theta" else rope.get("rope_theta")
+        eps = cfg.get("rms_norm_eps")
         return cls(
-            vocab_size=_need(cfg, "vocab_size", where), hidden_size=hidden,
-            intermediate_size=_need(cfg, "intermediate_size", where),
-            num_layers=_need(cfg, "num_hidden_layers", where), num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
-            max_position_embeddings=_need(cfg, "max_position_embeddings", where),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), eos_token_ids=eos_ids)
+            vocab_size=int_field(cfg, where, "vocab_size"), hidden_size=hidden,
+            intermediate_size=int_field(cfg, where, "intermediate_size"),
+            num_layers=int_field(cfg, where, "num_hidden_layers"), num_heads=heads,
+            num_kv_heads=int_field(cfg, where, "num_key_value_heads", default=heads),
+            head_dim=int_field(cfg, where, "head_dim", default=hidden // heads),
+            rms_norm_eps=positive_float(cfg, where, "rms_norm_eps", 1e-6 if eps is None else eps),
+            rope_theta=positive_float(cfg, where, theta_key, 1000000.0 if theta is None else theta),
+            max_position_embeddings=int_field(cfg, where, "max_position_embeddings"),
+            tie_word_embeddings=bool_field(cfg, where, "tie_word_embeddings", False),
+            eos_token_ids=token_ids_field(cfg, where, "eos_token_id"))
 
 
 @dataclass(frozen=True)
@@ -120,19 +124,28 @@ class DFlashConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> DFlashConfig:
-        dcfg = cfg.get("dflash_config") or {}
-        block = cfg.get("block_size", dcfg.get("block_size"))  # top level in z-lab b16; nested in newer ones
+        model = ModelConfig.from_hf(cfg, where="drafter")
+        dcfg = cfg.get("dflash_config")
+        if dcfg is not None and not isinstance(dcfg, dict):
+            raise field_error(cfg, "drafter", "dflash_config", dcfg, "an object")
+        dcfg = dcfg or {}
+        block = cfg.get("block_size")  # top level in z-lab b16; nested in newer ones
+        block = dcfg.get("block_size") if block is None else block
         if block is None:
-            raise CheckpointError("drafter: config.json has no block_size (top level or in dflash_config)")
+            raise CheckpointError(f"{where_of(cfg, 'drafter')}: no block_size (top level or in dflash_config)")
         ids = dcfg.get("target_layer_ids")
         if ids is None:
-            raise CheckpointError("drafter: config.json lacks dflash_config.target_layer_ids")
+            raise CheckpointError(f"{where_of(cfg, 'drafter')}: lacks dflash_config.target_layer_ids")
+        if not isinstance(ids, list):
+            raise field_error(cfg, "drafter", "dflash_config.target_layer_ids", ids, "a list of layer ids >= 0")
         mask = dcfg.get("mask_token_id")
         if mask is None:
-            raise CheckpointError("drafter: config.json lacks dflash_config.mask_token_id")
-        return cls(model=ModelConfig.from_hf(cfg, where="drafter"), block_size=int(block),
-                   mask_token_id=int(mask), target_layer_ids=tuple(int(i) for i in ids),
-                   num_target_layers=int(_need(cfg, "num_target_layers", "drafter")))
+            raise CheckpointError(f"{where_of(cfg, 'drafter')}: lacks dflash_config.mask_token_id")
+        return cls(model=model, block_size=check_int(cfg, "drafter", "block_size", block),
+                   mask_token_id=check_int(cfg, "drafter", "dflash_config.mask_token_id", mask, minimum=0),
+                   target_layer_ids=tuple(check_int(cfg, "drafter", f"dflash_config.target_layer_ids[{i}]",
+                                                    v, minimum=0) for i, v in enumerate(ids)),
+                   num_target_layers=int_field(cfg, "drafter", "num_target_layers"))
 
     def check_fits(self, target: ModelConfig) -> None:
         """Fail at load, naming the mismatch, when this drafter cannot serve `target`."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from refengine.attention import make_backend
-from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json
+from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json, read_stop_ids
 from refengine.errors import InvalidRequestError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.planner import KvBudgetPlan
@@ -21,6 +21,7 @@ from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
 from refengine.spec_decode.lane import DFlashLane
 from refengine.spec_decode.proposer import Proposer
+from refengine.validation import validate_token_ids
 
 CPU_KV_BYTES = 256 * 1024 * 1024   # default KV pool on the CPU
 
@@ -58,7 +59,8 @@ class Engine:
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
                            dtype, self.target.device)
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
-        self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size, eos_ids=tcfg.eos_token_ids,
+        self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size,
+                                   eos_ids=read_stop_ids(config.target_path, tcfg),
                                    max_context=self.max_context, max_num_seqs=config.max_num_seqs,
                                    max_prefill_tokens=config.max_prefill_tokens)
         self.runner = ModelRunner(self.target, self.pool, attention, self.proposer)
@@ -85,7 +87,7 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a request. One that can never be served finishes at once with FinishReason.REJECTED and a
         message (see Request.reject_reason); the engine keeps serving everyone else."""
-        req = Request(next(self._ids), list(prompt_ids), params or SamplingParams())
+        req = Request(next(self._ids), prompt_ids, params or SamplingParams())  # type: ignore[arg-type]
         self.scheduler.add(req)
         if req.finished:
             self.finished.append(req)
@@ -120,14 +122,11 @@ class Engine:
         continuation (one row per position, the last predicting past the sequence). The prompt runs as a
         prefill, the continuation as decode steps: before each step the request's current token (whose KV is
         not written yet) is replaced by the next continuation token. All sequences run together."""
-        vocab = self.target.cfg.vocab_size
         runs = []
-        for prompt, cont in sequences:
-            bad = [t for t in cont if not 0 <= int(t) < vocab]
-            if bad:
-                raise InvalidRequestError(f"continuation ids {bad[:5]} outside the vocabulary 0..{vocab - 1}")
+        for prompt, continuation in sequences:
+            cont = validate_token_ids(continuation, self.target.cfg.vocab_size, "continuation_ids")
             params = SamplingParams(max_tokens=len(cont) + 1, logprobs=k, prompt_logprobs=True, ignore_eos=True)
-            runs.append((self.add_request(prompt, params), [int(t) for t in cont]))
+            runs.append((self.add_request(prompt, params), cont))
         for req, _ in runs:
             if req.reject_reason is not None:
                 raise InvalidRequestError(f"scoring request rejected ({req.reject_reason.value}): {req.message}")

@@ -7,7 +7,9 @@ class RefEngineError(Exception):
 
 
 class CheckpointError(RefEngineError):
-    """A checkpoint directory is missing a file or tensor, or a tensor has the wrong shape."""
+    """A checkpoint that cannot be loaded as written: a missing or unreadable file (empty, truncated, not
+    JSON / safetensors), a config field of the wrong JSON type or range, a missing, misshaped, non-float or
+    non-finite tensor. The message names the checkpoint, the file and the field or tensor."""
 
 
 class UnsupportedConfigError(RefEngineError):
@@ -15,7 +17,8 @@ class UnsupportedConfigError(RefEngineError):
 
 
 class InvalidRequestError(RefEngineError):
-    """A request that can never be served: empty prompt, ids outside the vocabulary, max_tokens <= 0."""
+    """A request that can never be served: a value of the wrong type (named with its field, index and type),
+    an empty prompt, ids outside the vocabulary, max_tokens <= 0, prompt text that is not UTF-8."""
 
 
 class KvAllocationError(RefEngineError):

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from refengine.errors import InvalidRequestError
+from refengine.validation import as_bool, as_int, as_real
 
 MAX_LOGPROBS = 64  # most top tokens a request may ask for per position
 
@@ -31,7 +32,11 @@ class RejectReason(enum.Enum):
 @dataclass(frozen=True)
 class SamplingParams:
     """Greedy only for now (temperature 0). `logprobs` > 0 returns that many top tokens per position
-    (and makes the request ineligible for speculation, as upstream)."""
+    (and makes the request ineligible for speculation, as upstream).
+
+    Validated at construction (refengine.validation): integers may be Python ints, numpy integer scalars or
+    0-d torch integer tensors and are stored as int; bools, floats, strings and None are an
+    InvalidRequestError naming the field and the value, as are out-of-range values."""
     max_tokens: int = 64
     temperature: float = 0.0
     logprobs: int = 0
@@ -39,11 +44,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        def put(name: str, value) -> None:
+            object.__setattr__(self, name, value)  # frozen: normalise in place once
+
+        put("max_tokens", as_int(self.max_tokens, "max_tokens"))
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 1")
+        put("temperature", as_real(self.temperature, "temperature"))
         if self.temperature != 0.0:
             raise InvalidRequestError(
                 f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented")
+        put("logprobs", as_int(self.logprobs, "logprobs"))
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..{MAX_LOGPROBS}")
+        put("prompt_logprobs", as_bool(self.prompt_logprobs, "prompt_logprobs"))
+        put("ignore_eos", as_bool(self.ignore_eos, "ignore_eos"))
         if self.prompt_logprobs and self.logprobs == 0:
             raise InvalidRequestError("prompt_logprobs needs logprobs > 0 (how many top tokens to return)")
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from refengine.errors import AlignmentError, IntegrityError
+from refengine.errors import AlignmentError, IntegrityError, InvalidRequestError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.request import FinishReason, RejectReason, Request, RequestStatus
 from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.proposer import Proposer
+from refengine.validation import validate_prompt
 
 
 class Scheduler:
@@ -27,16 +28,15 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request, or finish it at once as REJECTED with a message naming the limit and numbers."""
+        """Queue a request, or finish it at once as REJECTED with a message naming the limit and numbers.
+        Its prompt (a list, tuple, 1-d array or tensor of integer ids) is validated and normalised here."""
+        try:
+            req.prompt_ids = validate_prompt(req.prompt_ids, self.vocab_size)
+        except InvalidRequestError as e:
+            req.reject(RejectReason.INVALID, str(e))
+            return
         n, p = len(req.prompt_ids), req.params
-        bad = [t for t in req.prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if n == 0:
-            req.reject(RejectReason.INVALID, "empty prompt: at least one token is needed")
-        elif bad:
-            req.reject(RejectReason.INVALID, f"prompt ids {bad[:5]} outside the vocabulary 0..{self.vocab_size - 1}")
-        elif p.max_tokens <= 0:
-            req.reject(RejectReason.INVALID, f"max_tokens={p.max_tokens} must be >= 1")
-        elif n + p.max_tokens > self.max_context:
+        if n + p.max_tokens > self.max_context:
             req.reject(RejectReason.CONTEXT_LENGTH,
                        f"prompt {n} + max_tokens {p.max_tokens} = {n + p.max_tokens} > max context "
                        f"{self.max_context} tokens")

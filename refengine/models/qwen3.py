@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from refengine.config import ModelConfig, read_config_json
+from refengine.errors import CheckpointError
 from refengine.models.layers import DecoderLayerWeights, Rope, mlp_residual, project_qkv, rms_norm
 from refengine.models.loader import tensor_source
 
@@ -29,17 +30,24 @@ class Qwen3Model:
     def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu", synthetic: bool = False) -> Qwen3Model:
         """Load by HF names; synthetic=True draws seeded random weights from config.json alone."""
-        cfg = ModelConfig.from_hf(read_config_json(path))
+        raw = read_config_json(path)
+        cfg = ModelConfig.from_hf(raw)
         src = tensor_source(path, synthetic)
         device = torch.device(device)
         h, v = cfg.hidden_size, cfg.vocab_size
+        # Tied checkpoints (Qwen3-4B) store no lm_head; some tied exports store a copy anyway (ignored, as HF
+        # does). Untied ones must store it: tying it silently would decode with the wrong head.
+        if not cfg.tie_word_embeddings and not synthetic and not src.has("lm_head.weight"):
+            raise CheckpointError(
+                f"checkpoint {path}: config.json has tie_word_embeddings "
+                f"{'false' if raw.get('tie_word_embeddings') is not None else 'absent (false, as HF)'} but no tensor "
+                f"'lm_head.weight' (expected shape {[v, h]}); set tie_word_embeddings true if the head is the "
+                f"embedding")
         embed = src.get("model.embed_tokens.weight", (v, h), dtype, device)
         layers = [DecoderLayerWeights.load(src, f"model.layers.{i}.", cfg, dtype, device)
                   for i in range(cfg.num_layers)]
         norm = src.get("model.norm.weight", (h,), dtype, device)
-        # Tied checkpoints (Qwen3-4B) store no lm_head; some tied exports store a copy anyway.
-        tied = cfg.tie_word_embeddings or not src.has("lm_head.weight")
-        lm_head = embed if tied else src.get("lm_head.weight", (v, h), dtype, device)
+        lm_head = embed if cfg.tie_word_embeddings else src.get("lm_head.weight", (v, h), dtype, device)
         expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
         for i in range(cfg.num_layers):
             expected |= set(DecoderLayerWeights.names(f"model.layers.{i}.").values())

@@ -98,11 +98,12 @@ def test_bad_requests_are_rejected_and_others_still_served(random_pair):
     good = e.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     empty = e.add_request([], SamplingParams(max_tokens=5))
     oov = e.add_request([1, 5000], SamplingParams(max_tokens=5))
-    zero = e.add_request([1], SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidRequestError, match="max_tokens=0 must be >= 1"):
+        SamplingParams(max_tokens=0)  # refused where it is built (tests/unit/test_request_validation.py)
     while e.has_work():
         e.step()
     assert good.finish_reason is FinishReason.LENGTH and len(good.output_ids) == 5
-    for r, why in ((empty, "empty prompt"), (oov, "outside the vocabulary 0..1023"), (zero, "max_tokens=0")):
+    for r, why in ((empty, "empty prompt"), (oov, "outside the vocabulary 0..1023")):
         assert r.finish_reason is FinishReason.REJECTED and r.reject_reason is RejectReason.INVALID
         assert why in r.message, r.message
     e.check_integrity()
