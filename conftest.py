@@ -77,3 +77,12 @@ def model_pair(request) -> ModelPair:
 @pytest.fixture(scope="session")
 def random_pair() -> ModelPair:
     return next(p for p in model_pairs() if p.name == "tiny-random")
+
+
+@pytest.fixture(scope="session")
+def trained_pair() -> ModelPair:
+    """The trained tiny pair (real acceptance: drafts get accepted, so verify rows past the first matter)."""
+    pair = next((p for p in model_pairs() if p.name == "tiny-trained"), None)
+    if pair is None:
+        pytest.fail("fixtures/tiny-trained is missing (python -m fixtures.build.train_target / train_draft)")
+    return pair

@@ -16,6 +16,8 @@ from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.request import Request, SamplingParams, SpecStats
+from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
+from refengine.runner.graphs import Capturer, GraphRunner
 from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
@@ -54,16 +56,19 @@ class Engine:
         num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
         self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
                         if config.draft_path else None)
-        self.proposer: Proposer | None = proposer if proposer is not None else (
-            DFlashLane(self.drafter) if self.drafter is not None and config.speculative else None)
+        self.proposer: Proposer | None = proposer
+        if proposer is None and self.drafter is not None and config.speculative:
+            self.proposer = DFlashLane.create(self.drafter, context_blocks=num_blocks, max_requests=config.max_num_seqs,
+                                              page_size=config.page_size, backend=config.backend_name)
+        span = self.proposer.block_size if self.proposer is not None else 1
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
-                           dtype, self.target.device)
+                           dtype, self.target.device, dummy_blocks=blocks_for(span, config.page_size))
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
         self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size,
                                    eos_ids=read_stop_ids(config.target_path, tcfg),
                                    max_context=self.max_context, max_num_seqs=config.max_num_seqs,
                                    max_prefill_tokens=config.max_prefill_tokens)
-        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer)
+        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs())
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
@@ -79,6 +84,17 @@ class Engine:
         bytes_per_block = target_kv_bytes_per_block(c, self.config.page_size, dtype.itemsize)
         wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
         return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
+
+    def _graphs(self) -> dict[str, GraphRunner]:
+        """The decode / verify graph runners (and the lane's draft graph) unless graph_mode is 'eager'."""
+        if self.config.graph_mode_name == "eager":
+            return {}
+        capturer = Capturer(self.target.device)
+        taps = self.proposer.capture_layers if self.proposer is not None else ()
+        span = self.proposer.block_size if self.proposer is not None else None
+        if isinstance(self.proposer, DFlashLane):
+            self.proposer.graph = build_draft_graph(self.proposer.drafter, self.proposer.pool, self.config, capturer)
+        return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span)
 
     def max_context_tokens(self) -> int:
         return self.max_context

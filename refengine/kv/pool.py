@@ -22,10 +22,13 @@ class SpecReservation:
 
 class KvPool:
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, dummy_blocks: int = 1):
         self.page_size = page_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (num_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
+        # Pages past the allocator's range that no request owns: the padding rows of a graphed step write
+        # their K/V there and its padding requests attend to them.
+        self.dummy_blocks = list(range(num_blocks, num_blocks + dummy_blocks))
+        shape = (num_blocks + dummy_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seq_len: dict[int, int] = {}         # committed KV length per request
