@@ -104,6 +104,7 @@ class Request:
     # Top-k per scored position: (ids, logprobs); prompt positions first when prompt_logprobs.
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
+    failed_steps: int = 0          # steps this request was part of that failed and were rolled back
 
     @property
     def finished(self) -> bool:
