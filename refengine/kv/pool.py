@@ -78,6 +78,16 @@ class KvPool:
         self._grow(req_id, self.seq_len[req_id] + n)
         self.seq_len[req_id] += n
 
+    def truncate(self, req_id: int, length: int) -> None:
+        """Undo plain extends (a failed step): the committed length goes back to `length` and blocks past it
+        return to the free list, last in first out."""
+        cur = self.seq_len[req_id]
+        if not 0 <= length <= cur:
+            raise KvAllocationError(f"request {req_id}: cannot truncate length {cur} to {length}")
+        self.seq_len[req_id] = length
+        surplus = len(self.allocator.table(req_id)) - blocks_for(length, self.page_size)
+        self.allocator.free_tail(req_id, max(surplus, 0))
+
     def slots(self, req_id: int, start: int, end: int) -> torch.Tensor:
         """Flat slot ids (block * page + offset) of positions [start, end) of a request."""
         table = torch.tensor(self.allocator.table(req_id), dtype=torch.int64)
@@ -121,6 +131,9 @@ class KvPool:
         tables = set(self.allocator.owners())
         if not tables <= set(self.seq_len):
             raise IntegrityError(f"block tables for requests {sorted(tables - set(self.seq_len))} that were released")
+        if set(self.lifetime_blocks) != set(self.seq_len):
+            raise IntegrityError(f"lifetime promises for requests {sorted(self.lifetime_blocks)}, "
+                                 f"live requests are {sorted(self.seq_len)}")
         for r, n in self.seq_len.items():
             have = len(self.allocator.table(r))
             if have < blocks_for(n, self.page_size):

@@ -112,6 +112,9 @@ class DFlashLane:
     def discard_staged(self) -> None:
         self._staged.clear()
 
+    def staged_requests(self) -> set[int]:
+        return set(self._staged)
+
     def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
         """Queue target features for positions [first_position, first_position + rows)."""
         c = self._ctx.get(req_id)
