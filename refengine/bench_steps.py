@@ -46,9 +46,7 @@ def _timed_steps(engine, batch: int, prompt_len: int, warmup: int, steps: int, s
     wall = time.perf_counter() - t0
     delta = {k: (engine.runner.timings[k] - before[k]) * 1e3 / steps for k in before}
     for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        engine.abort(r.request_id) if hasattr(engine, "abort") else None
-    while engine.has_work():
-        engine.step()
+        engine.abort(r.request_id, "timed steps done")
     return {"ms_per_step": wall * 1e3 / steps, **{k.replace("_s", "_ms"): v for k, v in delta.items()}}
 
 
@@ -61,6 +59,7 @@ def run(target: str, draft: str | None, *, synthetic: bool, modes: list[str], ba
         for spec in ([False, True] if draft else [False]):
             engine = Engine(EngineConfig(target, draft_path=draft if spec else None, device="cuda",
                                          synthetic_weights=synthetic, graph_mode=mode, max_num_seqs=max(batches),
+                                         gpu_memory_utilization=0.5,  # step times need no large pool
                                          max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32))
             weight_bytes = sum(t.numel() * t.element_size() for t in _weights(engine.target))
             floor_ms = weight_bytes / bandwidth * 1e3

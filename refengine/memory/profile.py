@@ -9,6 +9,7 @@ import torch
 
 from refengine.attention import make_backend
 from refengine.attention.base import AttnBatch
+from refengine.attention.graph_attention import FLOAT_WORKSPACE_BYTES
 from refengine.config import DFlashConfig, EngineConfig
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.device import profile_activation_peak, read_device_memory
@@ -80,7 +81,7 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
     rows = sum(buckets) * (1 + (span if draft_cfg is not None else 0))  # decode + verify shapes
     wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))      # decode, verify, draft
-    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES
+    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model
         static += sum(buckets) * span * (b * (2 * d.hidden_size + 2 * d.q_dim + d.kv_dim) + 4 * 8)
