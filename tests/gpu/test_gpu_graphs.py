@@ -45,7 +45,7 @@ def _regret_failures(scorer, prompts, baseline, outputs, label) -> list[str]:
 def test_gpu_graph_modes_lossless(model_pair, mode, concurrency):
     vocab = 1024 if model_pair.name == "tiny-random" else 4096
     prompts = _prompts(concurrency, [1, 5, 16, 17, 60, 200], seed=concurrency, vocab=vocab)
-    budgets = [[1, 2, B - 1, B, B + 1, 40, 64][i % 7] for i in range(concurrency)]
+    budgets = [[40, 1, 2, B - 1, B, B + 1, 64][i % 7] for i in range(concurrency)]
     eager = gpu_engine(model_pair.target, graph_mode="eager", max_num_seqs=concurrency)
     baseline = greedy(eager, prompts, budgets)
     failures = []
