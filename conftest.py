@@ -79,3 +79,21 @@ def model_pair(request) -> ModelPair:
 @pytest.fixture(scope="session")
 def random_pair() -> ModelPair:
     return next(p for p in model_pairs() if p.name == "tiny-random")
+
+
+@pytest.fixture(scope="session")
+def trained_pair() -> ModelPair:
+    """The trained pair (tokenizer, real acceptance, acceptance goldens); skips when its files are absent."""
+    pair = next((p for p in model_pairs() if p.name == "tiny-trained"), None)
+    if pair is None or pair.golden is None:
+        pytest.skip("fixtures/tiny-trained or its goldens are missing")
+    return pair
+
+
+def gqa_pair() -> ModelPair | None:
+    """A third tiny random pair for the drafter differential test only (not in model_pairs(), so the
+    model_pair-parametrized tests do not run on it): 2 KV heads and the drafter's MASK id mid-vocabulary."""
+    d = FIXTURES / "tiny-random-gqa2"
+    if (d / "target" / "config.json").is_file() and (d / "draft" / "config.json").is_file():
+        return ModelPair("tiny-random-gqa2", d / "target", d / "draft", None)
+    return None
