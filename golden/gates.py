@@ -54,6 +54,14 @@ FP32 = Tolerances(margin=1e-3, head_delta_mean=1e-4, head_delta_p99=1e-4,
 # are gated by tau tolerances (tests/gpu), not by per-step equality.
 DRAFT_MARGIN_TOL = 1e-3  # logit (= logprob) units
 
+# Direct feature checks (golden/features.py): the target features an engine hands its drafter against HF's
+# tap-layer outputs, row by row: max |delta| over a row <= FEATURE_REL_TOL x max |HF value| of that row. fp32
+# only. Calibrated 2026-12-01 on refengine CPU fp32 (torch 2.13.0, transformers 5.24.0), tiny-trained and
+# tiny-random, 14 requests (a prefill alone, a batched prefill of 6, verify commits at batch 7), 700 rows:
+# observed max relative 2.8e-6 (absolute 1.4e-5 on rows up to |21|); 10x rounded up to a power of ten.
+# The deliberately broken engines (tap layer + 1, a neighbour's rows, verify rows shifted) read 0.1-2.
+FEATURE_REL_TOL = 1e-4
+
 TOLERANCES: dict[torch.dtype, Tolerances] = {torch.bfloat16: BF16, torch.float32: FP32}
 
 
