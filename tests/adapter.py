@@ -238,3 +238,9 @@ def break_starve_plain_requests(engine: Engine) -> None:
 def break_never_release_drafter_context(engine: Engine) -> None:
     """Finished requests keep their drafter context (K/V buffers and pending features)."""
     engine.lane.release = lambda req_id: None
+
+
+def break_mask_token_is_last_vocab_row(engine: Engine) -> None:
+    """The drafter fills its block with vocab_size - 1 instead of the configured MASK id (right by accident
+    on any drafter whose MASK is the last row)."""
+    engine.drafter.cfg = dataclasses.replace(engine.drafter.cfg, mask_token_id=engine.target.cfg.vocab_size - 1)
