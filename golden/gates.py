@@ -14,8 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-import torch
-
 from golden.coverage import Coverage, match_records
 from golden.errors import CoverageError
 from golden.records import TopKRecord
@@ -62,13 +60,16 @@ DRAFT_MARGIN_TOL = 1e-3  # logit (= logprob) units
 # The deliberately broken engines (tap layer + 1, a neighbour's rows, verify rows shifted) read 0.1-2.
 FEATURE_REL_TOL = 1e-4
 
-TOLERANCES: dict[torch.dtype, Tolerances] = {torch.bfloat16: BF16, torch.float32: FP32}
+# Keyed by dtype name, so golden.gates (and the gate CLI) import without torch.
+TOLERANCES: dict[str, Tolerances] = {"bfloat16": BF16, "float32": FP32}
 
 
-def tolerances_for(dtype: torch.dtype) -> Tolerances:
-    if dtype not in TOLERANCES:
-        raise ValueError(f"no golden tolerances for {dtype}; known: {sorted(map(str, TOLERANCES))}")
-    return TOLERANCES[dtype]
+def tolerances_for(dtype) -> Tolerances:
+    """The tolerances for a torch dtype or a dtype name ("bfloat16", "float32")."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in TOLERANCES:
+        raise ValueError(f"no golden tolerances for {name}; known: {sorted(TOLERANCES)}")
+    return TOLERANCES[name]
 
 
 class TopKLike(Protocol):
