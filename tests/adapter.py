@@ -244,3 +244,20 @@ def break_mask_token_is_last_vocab_row(engine: Engine) -> None:
     """The drafter fills its block with vocab_size - 1 instead of the configured MASK id (right by accident
     on any drafter whose MASK is the last row)."""
     engine.drafter.cfg = dataclasses.replace(engine.drafter.cfg, mask_token_id=engine.target.cfg.vocab_size - 1)
+
+
+def break_rotate_batched_drafts(engine: Engine) -> None:
+    """In a batched propose, each request verifies its neighbour's drafts (cut or padded to its own span):
+    lossless (verify rejects them), invisible at bs=1, and acceptance collapses under concurrency."""
+    lane = engine.lane
+    propose = lane.propose
+
+    def rotated(items):
+        drafts = propose(items)
+        if len(drafts) < 2:
+            return drafts
+        out = []
+        for (_, _, _, span), d in zip(items, drafts[1:] + drafts[:1]):
+            out.append((list(d) + [0] * span)[:span - 1])
+        return out
+    lane.propose = rotated

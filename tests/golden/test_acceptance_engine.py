@@ -4,7 +4,9 @@ the golden's number of tokens (golden.acceptance.acceptance_gate; a step may dif
 near-tie, printed), at bs=1 and inside a concurrent batch with heterogeneous budgets (1, 2, 9, 15, 16, 17,
 24: expected sequences derived exactly by truncate_to_budget) and staggered arrival. And the gate has teeth
 where losslessness has none: drafter features from the wrong tap layer, or a batched prefill handing each
-request its neighbour's rows, keep every output equal to the golden yet fail the acceptance gate.
+request its neighbour's rows, keep every output equal to the golden yet fail the acceptance gate. The
+batch-invariance gate (concurrent vs alone) passes the engine at ratio 1 and fails an engine whose batched
+propose hands each request its neighbour's drafts (lossless, invisible at bs=1, tau collapses).
 
 Run: pytest tests/golden/test_acceptance_engine.py          (the full bs=1 sweep over all 55: -m slow)
 """
@@ -12,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from golden.acceptance import acceptance_gate, truncate_to_budget
+from golden.acceptance import acceptance_batch_invariance_gate, acceptance_gate, truncate_to_budget
 from golden.greedy_gate import greedy_gate
 from golden.records import GreedyRecord
 from golden.regen import load_golden
 from refengine import SamplingParams
-from tests.adapter import (FeatureRecorder, acceptance_record, assert_no_leftovers, break_rotate_batched_prefill_features,
-                           break_tap_layers_off_by_one, cpu_engine, run_requests)
+from tests.adapter import (FeatureRecorder, acceptance_record, assert_no_leftovers, break_rotate_batched_drafts,
+                           break_rotate_batched_prefill_features, break_tap_layers_off_by_one, cpu_engine, run_requests)
 
 BUDGETS = [24, 1, 2, 15, 16, 17, 24, 9]  # around the block size 16; the goldens' own budget is 24
 
@@ -99,3 +101,21 @@ def test_acceptance_gate_fails_neighbouring_prefill_features(trained_pair):
     goldens = [g for g in _goldens(trained_pair) if not g.name.startswith("random-")]  # one batched prefill
     report = _lossless_but_acceptance_fails(trained_pair, goldens, break_rotate_batched_prefill_features)
     assert len(report.failures) >= 3
+
+
+def test_batch_invariance_gate_on_the_engine(trained_pair):
+    goldens = [g for g in _goldens(trained_pair) if not g.name.startswith("random-")]
+    alone, _ = _run(trained_pair, goldens, max_num_seqs=1)
+    together, widest = _run(trained_pair, goldens)
+    assert widest == len(goldens)
+    report = acceptance_batch_invariance_gate(alone, together, min_fraction=1.0, per_request_min_fraction=1.0)
+    print(report)
+    report.assert_passes()  # CPU fp32: acceptance is exactly batch-invariant
+    broken_alone, _ = _run(trained_pair, goldens, max_num_seqs=1, breakage=break_rotate_batched_drafts)
+    assert acceptance_gate(broken_alone, goldens).passed, "at bs=1 there is no neighbour: the bug is invisible"
+    broken, _ = _run(trained_pair, goldens, breakage=break_rotate_batched_drafts)
+    assert greedy_gate([GreedyRecord(r.name, r.prompt_ids, r.output_ids) for r in broken],
+                       [GreedyRecord(g.name, g.prompt_ids, g.output_ids) for g in goldens]).passed
+    bad = acceptance_batch_invariance_gate(broken_alone, broken, min_fraction=0.9)
+    print(bad)
+    assert not bad.passed and bad.ratio < 0.8, str(bad)
