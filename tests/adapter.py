@@ -261,3 +261,14 @@ def break_rotate_batched_drafts(engine: Engine) -> None:
             out.append((list(d) + [0] * span)[:span - 1])
         return out
     lane.propose = rotated
+
+
+def break_drafter_head_is_the_embedding(engine: Engine) -> None:
+    """The drafter projects with the target's input embedding instead of its lm_head (the same tensor on a
+    tied target, so only an untied pair can tell)."""
+    engine.drafter.lm_head = engine.drafter.embed_tokens
+
+
+def break_target_head_is_the_embedding(engine: Engine) -> None:
+    """The target projects with its input embedding instead of lm_head (invisible on a tied target)."""
+    engine.target.lm_head = engine.target.embed_tokens

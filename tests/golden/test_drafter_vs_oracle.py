@@ -2,7 +2,8 @@
 non-causal attention over cached context K/V) against golden's dense one-request oracle written straight
 from the spec, in fp32, for many random contexts, lengths and batch compositions, with context arriving in
 chunks across propose calls as it does after verify steps (and projected in small chunks on odd seeds).
-Pairs: every model pair plus tiny-random-gqa2, whose target has 2 KV heads and whose drafter's MASK id is
+Also on an untied random pair built on the fly (lm_head != embedding), where a drafter projecting with the
+embedding instead of the target's lm_head fails. Pairs: every model pair plus tiny-random-gqa2, whose target has 2 KV heads and whose drafter's MASK id is
 517 of a 1024 vocabulary (the real z-lab drafter uses 151669 of 151936, not vocab_size - 1).
 
 Run: pytest tests/golden/test_drafter_vs_oracle.py
@@ -17,7 +18,7 @@ import torch
 
 import refengine.spec.lane as lane_module
 from golden.oracle_dflash import OracleDFlash
-from tests.adapter import break_mask_token_is_last_vocab_row, cpu_engine
+from tests.adapter import break_drafter_head_is_the_embedding, break_mask_token_is_last_vocab_row, cpu_engine
 
 LOGIT_ATOL = 1e-3  # fp32: observed max |delta| is ~1e-5 (reduction order only)
 
@@ -92,3 +93,17 @@ def test_a_hard_coded_mask_id_fails_only_on_the_gqa_pair(differential_pair, monk
         assert not problems, "the breakage should be a no-op where MASK is the last row"
     else:
         assert problems, "the differential test let a hard-coded MASK id through"
+
+
+def test_untied_pair_and_a_swapped_head(tmp_path, monkeypatch):
+    """Every stored pair ties lm_head to the embedding, hiding a drafter that uses the wrong one."""
+    from types import SimpleNamespace
+
+    from fixtures.build.random_pair import build_random_pair
+
+    target, draft = build_random_pair(tmp_path / "untied", seed=5, tied=False)
+    pair = SimpleNamespace(target=target, draft=draft)
+    assert not _compare(pair, 1, monkeypatch)
+    problems = _compare(pair, 1, monkeypatch, break_drafter_head_is_the_embedding)
+    print("\n".join(problems))
+    assert problems, "the differential test let a drafter with the wrong head through"
