@@ -4,7 +4,7 @@ subprocess, from a scratch directory, on JSONL files. Records written by HF tran
 loop (acceptance) pass with exit 0; a perturbed copy fails with exit 1 at the right record and position;
 every coverage error (no records, partial, a name twice, an unknown name, other input ids, k < 8) and
 every bad input exits 2 with its message; the JSON line is always last. And golden imports without
-refengine (refengine made unimportable in a subprocess).
+refengine (refengine made unimportable in a subprocess), the gates and the CLI without torch.
 
 Run: pytest tests/golden/test_gate_cli.py
 """
@@ -165,6 +165,12 @@ def test_golden_imports_without_refengine(tmp_path):
             "print('ok')")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    # the gates and the CLI need neither torch nor transformers: a CI box with plain Python can run them
+    no_torch = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
+                "import golden.cli, golden.acceptance, golden.greedy_gate, golden.gates, golden.coverage\nprint('ok')")
+    proc = subprocess.run([sys.executable, "-c", no_torch], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     offenders = [p.name for p in (ROOT / "golden").glob("*.py")
                  if any(line.lstrip().startswith(("import refengine", "from refengine"))
