@@ -305,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                f"live {torch.__version__} / {transformers.__version__}"
     print(f"checked {stats['sequences']} sequences, {stats['positions']} positions: max |d logprob| "
           f"{stats['max_delta']:.2e} (tol {LOGPROB_TOL}), boundary swaps {stats['boundary_swaps']}; {versions}")
+    if live.acceptance:
+        print(f"checked {len(live.acceptance)} acceptance records, "
+              f"{sum(len(r.accepted_lengths) for r in live.acceptance)} steps")
     for e in errors[:30]:
         print("MISMATCH", e)
     if errors:
