@@ -5,7 +5,7 @@ lengths and the golden drafter margin printed, unless that margin is a near-tie 
 which passes and is reported; an output difference fails with its position. truncate_to_budget equals the
 oracle loop re-run at the smaller budget. acceptance_batch_invariance_gate passes equal acceptance and fails
 a collapse with the ratio printed. AcceptanceRecord validation and JSONL round trip. The stored goldens
-agree with the greedy goldens and their manifest.
+agree with the greedy goldens and their manifest, and regen --check's comparison flags a changed step or margin.
 
 Run: pytest tests/golden/test_acceptance_gate.py
 """
@@ -21,7 +21,7 @@ from golden.gates import DRAFT_MARGIN_TOL
 from golden.oracle_dflash import oracle_spec_generate
 from golden.records import AcceptanceRecord, read_records, write_jsonl
 from golden.regen import load_golden, pair_spec
-from golden.regen_acceptance import deciding_margins
+from golden.regen_acceptance import compare_acceptance, deciding_margins
 
 
 def rec(name: str, steps: list[int], margins: list[list[float]] | None = None, prompt=(5, 6)) -> AcceptanceRecord:
@@ -157,3 +157,18 @@ def test_stored_acceptance_goldens_are_consistent():
     deciding = [m for a in acc for m in deciding_margins(a)]
     assert section["deciding_margins_below_tol"] == sum(m <= DRAFT_MARGIN_TOL for m in deciding)
     print(f"{len(acc)} records, {section['steps']} steps, tau {section['tau']}, min deciding margin {min(deciding):.6f}")
+
+
+def test_regen_check_flags_changed_acceptance():
+    stored = load_golden("tiny-trained").acceptance
+    assert compare_acceptance(stored, stored) == []
+    a = next(r for r in stored if any(c > 1 for c in r.accepted_lengths[:-1]))
+    moved = [list(row) for row in a.draft_margins]
+    moved[0][0] += 1e-3
+    errors = compare_acceptance(stored, [dataclasses.replace(a, draft_margins=moved)])
+    assert errors == [f"{a.name}: draft margins moved by 1.00e-03 > 0.0001"], errors
+    steps = list(a.accepted_lengths)
+    i = next(j for j, c in enumerate(steps[:-1]) if c > 1)
+    steps[i], steps[i + 1] = steps[i] - 1, steps[i + 1] + 1  # same output, one token moved to the next step
+    (error,) = compare_acceptance(stored, [dataclasses.replace(a, accepted_lengths=steps)])
+    assert error.startswith(f"{a.name}: acceptance stored {a.accepted_lengths} live {steps}")
