@@ -2,6 +2,7 @@
 
 Model pairs: the tiny random pair always; the trained tiny pair when its files exist; a real pair
 (e.g. Qwen3-4B + z-lab/Qwen3-4B-DFlash-b16) when REFENGINE_TARGET_PATH and REFENGINE_DRAFT_PATH are set.
+The drafter differential test also runs on tiny-random-gqa2 (2 KV heads, MASK id mid-vocabulary).
 CPU tests run in fp32; tests marked `gpu` run in bf16 on CUDA and skip cleanly without it. Every Engine.step
 in the suite is followed by Engine.check_integrity() (an autouse fixture).
 """
@@ -102,3 +103,18 @@ def _integrity_after_every_step(monkeypatch):
         return done
 
     monkeypatch.setattr(Engine, "step", checked_step)
+
+
+def gqa_pair() -> ModelPair | None:
+    """A third tiny random pair for the drafter differential test only (not in model_pairs(), so the
+    model_pair-parametrized tests do not run on it): 2 KV heads and the drafter's MASK id mid-vocabulary."""
+    d = FIXTURES / "tiny-random-gqa2"
+    if (d / "target" / "config.json").is_file() and (d / "draft" / "config.json").is_file():
+        return ModelPair("tiny-random-gqa2", d / "target", d / "draft", None)
+    return None
+
+
+@pytest.fixture(params=model_pairs() + [p for p in (gqa_pair(),) if p is not None], ids=lambda p: p.name)
+def differential_pair(request) -> ModelPair:
+    """model_pairs() plus the GQA / mid-vocabulary-MASK pair: for the drafter-vs-oracle differential test."""
+    return request.param

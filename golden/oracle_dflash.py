@@ -180,6 +180,9 @@ class OracleSpecRun:
     output_ids: list[int]  # generated tokens (EOS kept when it stopped there)
     accepted_lengths: list[int]  # tau per verify step = a + 1 (before EOS truncation of that step)
     drafts: list[list[int]]  # the drafts verified at each step (already truncated to the span)
+    committed_lengths: list[int]  # tokens each step committed: a + 1, cut right after an EOS
+    draft_margins: list[list[float]]  # per step, drafter top-1 minus top-2 logit at each draft; [] per step
+                                      # when the drafter gives no logits (a scripted test drafter)
 
 
 def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_ids: Sequence[int],
@@ -202,12 +205,19 @@ def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_i
     prompt = list(prompt_ids)
     # prefill: features of every prompt position; its last row's argmax is the first current token
     logits, feats = hf_reference.target_forward(target_dir, prompt, taps, dtype)  # [N, V], [N, F*H]
-    out, taus, drafts_log = [int(logits[-1].argmax())], [], []
+    out, taus, drafts_log, committed_log, margins_log = [int(logits[-1].argmax())], [], [], [], []
     context = feats  # [start, F*H]: taps of every committed position except the current token
     while out[-1] not in eos and len(out) < max_new_tokens:
         start = len(prompt) + len(out) - 1  # absolute position of the current token
         span = min(bsz, max_new_tokens - len(out))
-        drafts = oracle.draft(context, out[-1], start)[: span - 1]
+        if isinstance(oracle, OracleDFlash):
+            draft_logits = oracle.draft_logits(context, out[-1], start)[: span - 1]  # [S-1, V]
+            drafts = draft_logits.argmax(-1).tolist()
+            top2 = draft_logits.float().topk(2, dim=-1).values  # [S-1, 2]
+            margins_log.append((top2[:, 0] - top2[:, 1]).tolist())
+        else:
+            drafts = oracle.draft(context, out[-1], start)[: span - 1]
+            margins_log.append([])
         ids = prompt + out + drafts  # verify [current, d_1..d_{S-1}] on top of the committed prefix
         logits, feats = hf_reference.target_forward(target_dir, ids, taps, dtype)
         post = logits[start:start + span].argmax(-1).tolist()  # [S]: post[j] predicts position start+j+1
@@ -217,9 +227,12 @@ def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_i
         committed = drafts[:a] + [post[a]]  # a accepted drafts + the bonus
         taus.append(a + 1)
         drafts_log.append(drafts)
+        before = len(out)
         for tok in committed:
             out.append(tok)
             if tok in eos:
                 break
+        committed_log.append(len(out) - before)
         context = feats[: start + a + 1]  # + rows of [current, d_1..d_a]; the bonus has no taps yet
-    return OracleSpecRun(output_ids=out, accepted_lengths=taus, drafts=drafts_log)
+    return OracleSpecRun(output_ids=out, accepted_lengths=taus, drafts=drafts_log, committed_lengths=committed_log,
+                         draft_margins=margins_log)

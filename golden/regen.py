@@ -7,7 +7,9 @@ Per pair: prompts (seeded random tokens of lengths 1..256; plus code / prose / c
 dir has a tokenizer.json), each extended by HF greedy, plus teacher-forced top-k logprobs at every
 position of prompt + continuation, all with HF transformers in fp32 on CPU. Files: greedy.jsonl,
 topk.jsonl.gz (golden/records.py schema) and manifest.json (versions, dtype, seed, k, weight hashes,
-the prompt recipe).
+the prompt recipe). Pairs with a trained drafter also get acceptance.jsonl (golden/regen_acceptance.py):
+
+    python -m golden.regen --pair tiny-trained --part acceptance   # only the acceptance goldens
 """
 from __future__ import annotations
 
@@ -26,7 +28,16 @@ import transformers
 from tqdm import tqdm
 
 from golden import hf_reference
-from golden.records import GreedyRecord, TopKRecord, read_greedy_jsonl, read_topk_jsonl, write_jsonl
+from golden.records import (
+    AcceptanceRecord,
+    GreedyRecord,
+    TopKRecord,
+    read_acceptance_jsonl,
+    read_greedy_jsonl,
+    read_topk_jsonl,
+    write_jsonl,
+)
+from golden.regen_acceptance import ACCEPTANCE_FILE, compare_acceptance, generate_acceptance, wants_acceptance
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "fixtures"
@@ -156,10 +167,13 @@ class GoldenSet:
     manifest: dict
     greedy: list[GreedyRecord]
     topk: list[TopKRecord]
+    acceptance: list[AcceptanceRecord] = dataclasses.field(default_factory=list)  # trained pairs only
 
 
-def generate(spec: PairSpec, names: Sequence[str] | None = None, progress: bool = True) -> GoldenSet:
-    """Run HF for the pair's prompts (only `names` when given): greedy, then teacher-forced top-k."""
+def generate(spec: PairSpec, names: Sequence[str] | None = None, progress: bool = True,
+             acceptance: bool = True) -> GoldenSet:
+    """Run HF for the pair's prompts (only `names` when given): greedy, then teacher-forced top-k; then the
+    oracle spec loop for the acceptance goldens when the pair wants them (and `acceptance`)."""
     prompts = prompt_set(spec)
     if names is not None:
         prompts = {n: prompts[n] for n in names}
@@ -176,13 +190,25 @@ def generate(spec: PairSpec, names: Sequence[str] | None = None, progress: bool 
                 "eos_token_id": spec.eos_token_id, "sequences": len(greedy),
                 "positions": sum(len(r.token_ids) for r in topk), "weights_sha256": weight_hashes(spec),
                 "prompt_recipe": prompt_recipe(spec), "files": [GREEDY_FILE, TOPK_FILE]}
-    return GoldenSet(manifest=manifest, greedy=greedy, topk=topk)
+    golden = GoldenSet(manifest=manifest, greedy=greedy, topk=topk)
+    if acceptance and wants_acceptance(spec):
+        add_acceptance(golden, spec, progress)
+    return golden
+
+
+def add_acceptance(golden: GoldenSet, spec: PairSpec, progress: bool = True) -> None:
+    """Acceptance goldens for the set's greedy prompts, recorded in its manifest."""
+    golden.acceptance, section = generate_acceptance(spec, golden.greedy, progress)
+    golden.manifest["acceptance"] = section
+    golden.manifest["files"] = [f for f in golden.manifest["files"] if f != ACCEPTANCE_FILE] + [ACCEPTANCE_FILE]
 
 
 def write_golden(golden: GoldenSet, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(out_dir / GREEDY_FILE, golden.greedy)
     write_jsonl(out_dir / TOPK_FILE, golden.topk)
+    if golden.acceptance:
+        write_jsonl(out_dir / ACCEPTANCE_FILE, golden.acceptance)
     (out_dir / MANIFEST_FILE).write_text(json.dumps(golden.manifest, indent=2) + "\n")
 
 
@@ -191,8 +217,10 @@ def load_golden(pair: str, data_root: Path = DATA) -> GoldenSet:
     d = data_root / pair
     if not (d / MANIFEST_FILE).exists():
         raise FileNotFoundError(f"no stored goldens for {pair!r} under {d}: run python -m golden.regen --pair {pair}")
-    return GoldenSet(manifest=json.loads((d / MANIFEST_FILE).read_text()),
-                     greedy=read_greedy_jsonl(d / GREEDY_FILE), topk=read_topk_jsonl(d / TOPK_FILE))
+    manifest = json.loads((d / MANIFEST_FILE).read_text())
+    acceptance = read_acceptance_jsonl(d / ACCEPTANCE_FILE) if ACCEPTANCE_FILE in manifest["files"] else []
+    return GoldenSet(manifest=manifest, greedy=read_greedy_jsonl(d / GREEDY_FILE), topk=read_topk_jsonl(d / TOPK_FILE),
+                     acceptance=acceptance)
 
 
 def _compare_rows(name: str, stored: TopKRecord, live: TopKRecord, tol: float, stats: dict) -> list[str]:
@@ -252,8 +280,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-root", type=Path, default=DATA)
     ap.add_argument("--seed", type=int, default=PairSpec.seed)
     ap.add_argument("--continuation-tokens", type=int, default=PairSpec.continuation_tokens)
+    ap.add_argument("--part", choices=["all", "acceptance"], default="all",
+                    help="acceptance: only (re)write acceptance.jsonl from the stored greedy goldens")
     args = ap.parse_args(argv)
     spec = dataclasses.replace(pair_spec(args.pair), seed=args.seed, continuation_tokens=args.continuation_tokens)
+    if args.part == "acceptance" and not args.check:
+        stored = load_golden(spec.name, args.data_root)
+        add_acceptance(stored, spec_from_manifest(spec, stored.manifest))
+        write_golden(stored, args.data_root / spec.name)
+        a = stored.manifest["acceptance"]
+        print(f"wrote {a['records']} acceptance records, {a['steps']} steps (tau {a['tau']}) in {a['seconds']} s; "
+              f"deciding margins <= {a['draft_margin_tol']}: {a['deciding_margins_below_tol']} (min "
+                  f"{a['min_deciding_margin']})")
+        return 0
     if not args.check:
         golden = generate(spec)
         write_golden(golden, args.data_root / spec.name)
@@ -267,13 +306,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = names[:: max(1, len(names) // args.limit)][: args.limit]
     errors = [f"weights changed since the goldens were made: {f}" for f, h in weight_hashes(spec).items()
               if stored.manifest["weights_sha256"].get(f) != h]
-    live = generate(spec, names=names)
+    live = generate(spec, names=names, acceptance=bool(stored.acceptance))
     cmp_errors, stats = compare(stored, live)
-    errors += cmp_errors
+    errors += cmp_errors + compare_acceptance(stored.acceptance, live.acceptance)
     versions = f"stored torch {stored.manifest['torch']} / transformers {stored.manifest['transformers']}, " \
                f"live {torch.__version__} / {transformers.__version__}"
     print(f"checked {stats['sequences']} sequences, {stats['positions']} positions: max |d logprob| "
           f"{stats['max_delta']:.2e} (tol {LOGPROB_TOL}), boundary swaps {stats['boundary_swaps']}; {versions}")
+    if live.acceptance:
+        print(f"checked {len(live.acceptance)} acceptance records, "
+              f"{sum(len(r.accepted_lengths) for r in live.acceptance)} steps")
     for e in errors[:30]:
         print("MISMATCH", e)
     if errors:

@@ -71,6 +71,7 @@ class SpecStats:
     verify_steps: int = 0
     committed_tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
+    committed_per_step: list[int] = field(default_factory=list)  # per request: tokens committed by each verify
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -82,6 +83,7 @@ class SpecStats:
         self.verify_steps += 1
         self.committed_tokens += committed
         self.accepted_hist[committed] += 1
+        self.committed_per_step.append(committed)
 
     def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps

@@ -4,8 +4,12 @@ Tests are the only place that imports both packages; the same records could come
 """
 from __future__ import annotations
 
-from golden.records import TopKRecord
-from refengine import Engine, EngineConfig, SamplingParams
+import dataclasses
+
+import torch
+
+from golden.records import AcceptanceRecord, TopKRecord
+from refengine import Engine, EngineConfig, Request, SamplingParams
 
 
 def cpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
@@ -52,3 +56,203 @@ def assert_same_tokens(got: list[int], want: list[int], label: str) -> None:
     if i is not None:
         raise AssertionError(f"{label}: first divergence at output position {i} of {len(want)}: "
                              f"got {got[max(0, i - 3):i + 4]} want {want[max(0, i - 3):i + 4]}")
+
+
+# ---- acceptance ------------------------------------------------------------------------------------------
+
+
+def acceptance_record(name: str, req: Request) -> AcceptanceRecord:
+    """A finished request as golden's AcceptanceRecord: output and tokens committed per verify step."""
+    assert req.reject_reason is None, f"{name}: rejected: {req.message}"
+    return AcceptanceRecord(name, list(req.prompt_ids), list(req.output_ids), list(req.spec.committed_per_step))
+
+
+def run_requests(engine: Engine, items: list[tuple[list[int], SamplingParams]],
+                 stagger_after: int | None = None) -> list[Request]:
+    """Submit (prompt, params) items and run to completion. stagger_after=k: submit the first k together,
+    run 3 steps, then submit the rest one per step while the first ones are mid-generation."""
+    k = len(items) if stagger_after is None else stagger_after
+    reqs = [engine.add_request(p, sp) for p, sp in items[:k]]
+    if k < len(items):
+        for _ in range(3):
+            engine.step()
+        for p, sp in items[k:]:
+            reqs.append(engine.add_request(p, sp))
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    return reqs
+
+
+# ---- what the engine still holds: drafter contexts, KV tables, reservations (refactor fix-up point) ----
+
+
+def engine_leftovers(engine: Engine) -> dict[str, object]:
+    """Per-request state the engine still holds; all empty / zero once every request has finished."""
+    lane, pool = engine.proposer, engine.pool
+    contexts = sorted(lane.live_requests()) if lane is not None else []
+    return {"drafter_contexts": contexts, "kv_block_tables": sorted(pool.allocator.owners()),
+            "kv_lengths": sorted(pool.seq_len), "kv_lifetime_reservations": sorted(pool.lifetime_blocks),
+            "blocks_not_free": pool.num_blocks - pool.allocator.num_free,
+            "running": [r.request_id for r in engine.scheduler.running],
+            "waiting": [r.request_id for r in engine.scheduler.waiting]}
+
+
+def assert_no_leftovers(engine: Engine, label: str = "") -> None:
+    left = {k: v for k, v in engine_leftovers(engine).items() if v}
+    if left:
+        raise AssertionError(f"{label}: state outlived its requests: {left}")
+    engine.check_integrity()
+
+
+# ---- feature capture: every row handed to the drafter (refactor fix-up point) ----------------------------
+
+
+class FeatureRecorder:
+    """Wraps engine.proposer.append_pending_context (every feature row the drafter receives goes through it,
+    verify rows included) and engine.scheduler.schedule (to tag each batch of rows with the plan that
+    produced it: 'PrefillPlan' with its request count, or 'VerifyPlan')."""
+
+    def __init__(self, engine: Engine):
+        self.calls: list[tuple[int, int, torch.Tensor, str, int]] = []  # (req, first pos, rows, plan, plan size)
+        self._plan: tuple[str, int] = ("none", 0)
+        lane, scheduler = engine.proposer, engine.scheduler
+        append, schedule = lane.append_pending_context, scheduler.schedule
+
+        def recording_schedule():
+            plan = schedule()
+            if plan is not None:
+                self._plan = (type(plan).__name__, len(plan.requests))
+            return plan
+
+        def recording_append(req_id, feats, first_position):
+            self.calls.append((req_id, first_position, feats.detach().clone(), *self._plan))
+            return append(req_id, feats, first_position)
+
+        lane.append_pending_context = recording_append
+        scheduler.schedule = recording_schedule
+
+    def rows(self, req_id: int) -> torch.Tensor:
+        """Every row handed over for req_id, in position order (asserting they tile 0..n without gaps)."""
+        parts = sorted((pos, f) for r, pos, f, _, _ in self.calls if r == req_id)
+        at = 0
+        for pos, f in parts:
+            assert pos == at, f"request {req_id}: rows handed over from position {pos}, expected {at}"
+            at += f.shape[0]
+        return torch.cat([f for _, f in parts])
+
+    def sources(self, req_id: int) -> list[tuple[int, int, str, int]]:
+        """(first position, rows, plan kind, plan size) of every hand-over for req_id."""
+        return [(pos, f.shape[0], kind, n) for r, pos, f, kind, n in self.calls if r == req_id]
+
+
+# ---- deliberately broken engines: each breaks one mechanism a test guards (refactor fix-up point) --------
+
+
+def break_tap_layers_off_by_one(engine: Engine) -> None:
+    """Capture target layer L+1 wherever the drafter asks for layer L (the vLLM #42704 / #46435 class)."""
+    engine.proposer.capture_layers = tuple(layer + 1 for layer in engine.proposer.capture_layers)
+
+
+def break_rotate_batched_prefill_features(engine: Engine) -> None:
+    """In a prefill of several requests, hand each request the rows of the next request in the batch, cut or
+    padded (last row repeated) to its own row count so every alignment assert stays quiet."""
+    runner, lane = engine.runner, engine.proposer
+    execute = runner.execute
+
+    def fit(f: torch.Tensor, n: int) -> torch.Tensor:
+        return f[:n] if f.shape[0] >= n else torch.cat([f, f[-1:].expand(n - f.shape[0], -1)])
+
+    def rotated(plan):
+        result = execute(plan)
+        staged = lane._staged  # white-box: the features the runner staged for this plan
+        ids = [r.request_id for r in plan.requests if r.request_id in staged]
+        if type(plan).__name__ == "PrefillPlan" and len(ids) > 1:
+            old = {i: staged[i] for i in ids}
+            for a, b in zip(ids, ids[1:] + ids[:1]):
+                staged[a] = (old[a][0], fit(old[b][1], old[a][1].shape[0]))
+        return result
+    runner.execute = rotated
+
+
+def break_verify_features_shifted(engine: Engine) -> None:
+    """After a verify, hand the drafter verify rows 1..m+1 instead of 0..m (the last row repeated when the
+    whole span was accepted): same row count, wrong rows."""
+    lane = engine.proposer
+
+    def shifted(req_id, start, committed):
+        _, verify_feats = lane._staged.pop(req_id)  # white-box: this verify's staged rows
+        rows = torch.cat([verify_feats[1:committed + 1], verify_feats[verify_feats.shape[0] - 1:]])[:committed]
+        lane.append_pending_context(req_id, rows, start)
+    lane.record_verify_dflash_context = shifted
+
+
+def break_drop_ignore_eos(engine: Engine) -> None:
+    """The engine drops SamplingParams.ignore_eos at submission (a server not forwarding the flag)."""
+    add = engine.add_request
+    engine.add_request = lambda prompt, params=None, **kw: add(
+        prompt, dataclasses.replace(params or SamplingParams(), ignore_eos=False), **kw)
+
+
+def break_first_token_from_first_row(engine: Engine) -> None:
+    """A prefill that scored several rows (prompt_logprobs) takes the first generated token from the first
+    scored row instead of the last."""
+    runner = engine.runner
+    execute = runner.execute
+
+    def first_row(plan):
+        result = execute(plan)
+        if type(plan).__name__ == "PrefillPlan":
+            result.argmax[:] = [rows[:1] for rows in result.argmax]
+        return result
+    runner.execute = first_row
+
+
+def break_starve_plain_requests(engine: Engine) -> None:
+    """The scheduler always prefers a verify plan while any request speculates (plain requests wait)."""
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def verify_first():
+        scheduler._verify_turn = True
+        return schedule()
+    scheduler.schedule = verify_first
+
+
+def break_never_release_drafter_context(engine: Engine) -> None:
+    """Finished requests keep their drafter context (K/V buffers and pending features)."""
+    engine.proposer.release = lambda req_id: None
+
+
+def break_mask_token_is_last_vocab_row(engine: Engine) -> None:
+    """The drafter fills its block with vocab_size - 1 instead of the configured MASK id (right by accident
+    on any drafter whose MASK is the last row)."""
+    engine.drafter.cfg = dataclasses.replace(engine.drafter.cfg, mask_token_id=engine.target.cfg.vocab_size - 1)
+
+
+def break_rotate_batched_drafts(engine: Engine) -> None:
+    """In a batched propose, each request verifies its neighbour's drafts (cut or padded to its own span):
+    lossless (verify rejects them), invisible at bs=1, and acceptance collapses under concurrency."""
+    lane = engine.proposer
+    propose = lane.propose
+
+    def rotated(items):
+        drafts = propose(items)
+        if len(drafts) < 2:
+            return drafts
+        out = []
+        for (_, _, _, span), d in zip(items, drafts[1:] + drafts[:1]):
+            out.append((list(d) + [0] * span)[:span - 1])
+        return out
+    lane.propose = rotated
+
+
+def break_drafter_head_is_the_embedding(engine: Engine) -> None:
+    """The drafter projects with the target's input embedding instead of its lm_head (the same tensor on a
+    tied target, so only an untied pair can tell)."""
+    engine.drafter.lm_head = engine.drafter.embed_tokens
+
+
+def break_target_head_is_the_embedding(engine: Engine) -> None:
+    """The target projects with its input embedding instead of lm_head (invisible on a tied target)."""
+    engine.target.lm_head = engine.target.embed_tokens

@@ -2,7 +2,8 @@
 of every golden sequence against HF transformers' (prompt through prefill, continuation through decode),
 at bs=1 and with all sequences advancing together in one batch (cross-request isolation); two bs=1 runs
 are bit-identical; and the gate has teeth: a model with query RoPE positions off by one, or K/V written one slot
-late, fails it.
+late, fails it; so does a target projecting with its embedding instead of lm_head, on an untied pair built on
+the fly and gated against live HF records (every stored pair is tied, which hides that swap).
 
 Run: pytest tests/golden/test_hf_gate.py     (CPU, fp32 tolerances from golden/gates.py)
 """
@@ -12,7 +13,7 @@ import pytest
 
 from golden.gates import FP32, hf_gate
 from golden.regen import load_golden
-from tests.adapter import cpu_engine, score_sequences
+from tests.adapter import break_target_head_is_the_embedding, cpu_engine, score_sequences
 
 
 def _golden(pair):
@@ -71,6 +72,22 @@ def test_gate_fails_a_broken_model(random_pair, breakage):
     seqs, hf = _golden(random_pair)
     engine = cpu_engine(random_pair.target, max_num_seqs=16)
     breakage(engine)
-    report = hf_gate(score_sequences(engine, seqs[:16]), hf, FP32)
+    subset = seqs[:16]  # an explicit subset: the gate checks exactly these names are covered
+    report = hf_gate(score_sequences(engine, subset), hf, FP32, names=[n for n, _, _ in subset])
     print(report)
     assert not report.passed, f"the gate let a broken model through:\n{report}"
+
+
+def test_gate_fails_a_head_swap_on_an_untied_pair(tmp_path):
+    from fixtures.build.random_pair import build_random_pair
+    from golden.hf_reference import teacher_forced_topk
+
+    target, _ = build_random_pair(tmp_path / "untied", seed=5, tied=False)
+    seqs = [(f"s{i}", [(37 * i + 11 * j) % 1000 + 3 for j in range(n)], []) for i, n in enumerate((1, 17, 40))]
+    hf = teacher_forced_topk(target, {name: p for name, p, _ in seqs}, k=20)
+    hf_gate(score_sequences(cpu_engine(target), seqs), hf, FP32).assert_passes()
+    engine = cpu_engine(target)
+    break_target_head_is_the_embedding(engine)
+    report = hf_gate(score_sequences(engine, seqs), hf, FP32)
+    print(report)
+    assert not report.passed and len(report.violations) > 10, str(report)

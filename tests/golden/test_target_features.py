@@ -1,0 +1,108 @@
+"""Direct feature checks, CPU fp32: every target-feature row refengine hands its drafter (captured at the
+lane's append_pending_context, via tests/adapter.FeatureRecorder) equals HF's tap-layer outputs for that
+request's own tokens (golden.hf_reference.target_features), row by row, within golden.gates.FEATURE_REL_TOL:
+rows from a prefill alone, from a batched prefill of several requests, and from verify commits. Every
+request hands over exactly its committed length of rows. Teeth: a tap layer off by one, a batched prefill
+handing each request its neighbour's rows, and verify rows shifted by one each fail the check at the right
+position and source (all three keep outputs lossless; tau barely notices the first two).
+
+Run: pytest tests/golden/test_target_features.py
+"""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from golden import hf_reference
+from golden.features import feature_check
+from golden.regen import pair_spec, text_prompts
+from refengine import SamplingParams
+from tests.adapter import (
+    FeatureRecorder,
+    assert_no_leftovers,
+    break_rotate_batched_prefill_features,
+    break_tap_layers_off_by_one,
+    break_verify_features_shifted,
+    cpu_engine,
+    first_divergence,
+)
+
+BUDGETS = [40, 17, 33, 40, 5, 24, 16]
+
+
+def _prompts(pair) -> list[list[int]]:
+    if pair.has_tokenizer:
+        return list(text_prompts(pair_spec(pair.name)).values())[:len(BUDGETS)]
+    vocab = json.loads((pair.target / "config.json").read_text())["vocab_size"]
+    rng = random.Random(3)
+    return [[rng.randrange(3, vocab - 1) for _ in range(n)] for n in (5, 18, 31, 44, 57, 70, 83)]
+
+
+def _labels(recorder: FeatureRecorder, req_id: int) -> list[str]:
+    out = []
+    for _pos, rows, kind, size in sorted(recorder.sources(req_id)):
+        out += [f"{kind} of {size}"] * rows
+    return out
+
+
+def feature_reports(pair, breakage=None):
+    """Request 0 is prefilled alone; the other six arrive together (one batched prefill); all then verify
+    together. Returns (FeatureReport per request, per-request row labels)."""
+    engine = cpu_engine(pair.target, pair.draft)
+    if breakage is not None:
+        breakage(engine)
+    recorder = FeatureRecorder(engine)
+    prompts = _prompts(pair)
+    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=BUDGETS[0], ignore_eos=True))]
+    engine.step()
+    reqs += [engine.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True))
+             for p, b in zip(prompts[1:], BUDGETS[1:])]
+    while engine.has_work():
+        engine.step()
+    assert_no_leftovers(engine, "feature scenario")
+    taps = engine.drafter.cfg.target_layer_ids  # what the drafter was trained on, not what the lane captured
+    reports, labels = [], []
+    for i, r in enumerate(reqs):
+        rows = recorder.rows(r.request_id)
+        committed = len(r.prompt_ids) + len(r.output_ids) - 1
+        want = hf_reference.target_features(pair.target, (r.prompt_ids + r.output_ids)[:committed], taps)
+        labels.append(_labels(recorder, r.request_id))
+        reports.append(feature_check(f"request {i}", rows, want, expected_rows=committed, labels=labels[-1]))
+    return reports, labels
+
+
+def test_features_handed_to_the_drafter_equal_hf(model_pair):
+    reports, labels = feature_reports(model_pair)
+    for rep in reports:
+        print(rep)
+    assert "PrefillPlan of 1" in labels[0] and all("PrefillPlan of 6" in lab for lab in labels[1:])
+    assert all(any(x.startswith("VerifyPlan") for x in lab) for lab in labels), "every request verifies"
+    for rep in reports:
+        rep.assert_passes()
+
+
+@pytest.mark.parametrize("breakage,failing,first_label", [
+    (break_tap_layers_off_by_one, range(7), "PrefillPlan"),
+    (break_rotate_batched_prefill_features, range(1, 7), "PrefillPlan of 6"),
+    (break_verify_features_shifted, range(7), "VerifyPlan"),
+], ids=["tap-layer+1", "neighbour-rows", "verify-rows-shifted"])
+def test_feature_check_fails_on_a_broken_engine(trained_pair, breakage, failing, first_label):
+    reports, _ = feature_reports(trained_pair, breakage)
+    for rep in reports:
+        print(rep)
+    bad = [i for i, rep in enumerate(reports) if not rep.passed]
+    assert bad == list(failing), f"requests failing the feature check: {bad}, expected {list(failing)}"
+    prompts = _prompts(trained_pair)
+    for i in bad:
+        rep = reports[i]
+        assert rep.first_bad_label.startswith(first_label), str(rep)
+        if breakage is break_verify_features_shifted:
+            want_pos = len(prompts[i])  # the first verify row (the first generated token's position)
+        elif breakage is break_rotate_batched_prefill_features:
+            # the neighbour's rows are right where the two prompts agree (the chat prompts share a prefix)
+            want_pos = first_divergence(prompts[i], prompts[i + 1 if i < 6 else 1])
+        else:
+            want_pos = 0
+        assert rep.first_bad_row == want_pos and rep.first_bad_rel > 100 * rep.rel_tol, str(rep)
