@@ -13,11 +13,11 @@ error: no records, some missing, a name twice, unknown names, other input ids, k
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from golden.acceptance import acceptance_gate
 from golden.errors import GoldenError

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from golden.errors import CoverageError
 
+
 class Named(Protocol):
     @property
     def name(self) -> str: ...
