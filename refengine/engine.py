@@ -103,6 +103,20 @@ class Engine:
         self.finished.extend(done)
         return done
 
+    def abort(self, request_id: int, message: str = "aborted by the caller") -> bool:
+        """Finish a waiting or running request now with FinishReason.ABORTED and `message`; its KV blocks,
+        lifetime reservation and drafter context are freed at once. False if the id is unknown or the request
+        already finished. Call it between steps (the engine is single-threaded)."""
+        req = self.scheduler.abort(request_id, message)
+        if req is None:
+            return False
+        self.finished.append(req)
+        return True
+
+    def get_request(self, request_id: int) -> Request | None:
+        """The live (waiting or running) request with this id; None once it finished or if it never existed."""
+        return self.scheduler.get(request_id)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work
 

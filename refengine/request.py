@@ -20,7 +20,9 @@ class RequestStatus(enum.Enum):
 class FinishReason(enum.Enum):
     EOS = "eos"
     LENGTH = "length"
-    REJECTED = "rejected"
+    REJECTED = "rejected"    # never admitted (see RejectReason and the message)
+    ABORTED = "aborted"      # Engine.abort: the caller gave up on it
+    ERROR = "error"          # the steps it was part of failed (the message names the exception)
 
 
 class RejectReason(enum.Enum):

@@ -63,6 +63,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def get(self, req_id: int) -> Request | None:
+        """The live (waiting or running) request with this id, or None."""
+        return next((r for r in (*self.running, *self.waiting) if r.request_id == req_id), None)
+
+    def _drop(self, req: Request) -> None:
+        """Take a request out of the queues and free everything held for it (KV blocks, lifetime promise,
+        drafter context, staged features). Idempotent; the caller sets its finish reason."""
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self.running = [r for r in self.running if r is not req]
+        self.pool.release(req.request_id)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+
+    def abort(self, req_id: int, message: str) -> Request | None:
+        """Finish a live request at once with FinishReason.ABORTED, freeing what it holds; None if there is no
+        live request with this id (unknown or already finished). Between steps only."""
+        req = self.get(req_id)
+        if req is None:
+            return None
+        self._drop(req)
+        req.finish(FinishReason.ABORTED, message)
+        return req
+
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
         admitted: list[Request] = []
