@@ -116,7 +116,7 @@ class EngineLoop:
                     self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             self._publish()
         for live in list(self._live.values()):
-            self._abort(live.stream, "server shutting down")
+            self._abort(live.stream, "server shutting down", notify=False)
             live.stream.push(Update(error=internal_error("server shutting down")))
 
     def _drain(self, block: bool) -> None:
@@ -162,7 +162,7 @@ class EngineLoop:
             return
         self._live[req.request_id] = _Live(stream, req)
 
-    def _abort(self, stream: Stream, message: str) -> None:
+    def _abort(self, stream: Stream, message: str, notify: bool = True) -> None:
         rid = stream.request_id
         if rid is None or rid not in self._live:
             return  # never admitted, or already finished
@@ -171,11 +171,12 @@ class EngineLoop:
             self.engine.abort(rid, message)
         except Exception:  # noqa: BLE001
             log.exception("abort of request %s failed", rid)
-        stream.push(Update(finish_reason=FinishReason.ABORTED))
+        if notify:
+            stream.push(Update(finish_reason=FinishReason.ABORTED))
 
     def _fail_all(self, message: str) -> None:
         for live in list(self._live.values()):
-            self._abort(live.stream, message)
+            self._abort(live.stream, message, notify=False)
             live.stream.push(Update(error=internal_error(message)))
 
     def _publish(self) -> None:
@@ -187,7 +188,10 @@ class EngineLoop:
             rows = req.topk[live.sent:live.sent + len(new)] if req.params.logprobs else []
             live.sent += len(new)
             self.tokens_generated += len(new)
-            live.stream.push(Update(list(new), list(rows), req.finish_reason if req.finished else None))
+            if req.finish_reason is FinishReason.ERROR:  # the engine failed the request's steps itself
+                live.stream.push(Update(error=internal_error(req.message or "engine error")))
+            else:
+                live.stream.push(Update(list(new), list(rows), req.finish_reason if req.finished else None))
             if req.finished:
                 del self._live[rid]
         for r in self.engine.finished:  # fold into the totals; the engine's list would grow forever otherwise

@@ -181,6 +181,9 @@ def test_disconnect_mid_stream_frees_kv(spec_server):
     line = resp.readline()
     while not line.startswith(b"data: "):
         line = resp.readline()
+    deadline = time.monotonic() + 10
+    while spec_server.loop.snapshot["kv_blocks_used"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the snapshot is published just after the chunk
     assert spec_server.loop.snapshot["kv_blocks_used"] > 0
     resp.close()
     conn.close()  # the client goes away mid-stream
