@@ -138,7 +138,8 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                     finish = "stop" if state.stopped else (
                         FINISH.get(upd.finish_reason, "abort") if upd.finish_reason is not None else None)
                     piece = state.take(final=finish is not None)
-                    keep = len(upd.token_ids) if not state.stopped else max(0, len(state.kept_ids) - (n_out - len(upd.token_ids)))
+                    before = n_out - len(upd.token_ids)  # tokens sent in earlier chunks
+                    keep = max(0, len(state.kept_ids) - before) if state.stopped else len(upd.token_ids)
                     if piece or finish is not None:
                         yield _sse(chunk(piece, upd.token_ids[:keep], upd.topk[:keep], finish))
                     if finish is not None:
@@ -217,7 +218,7 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                 scored = await asyncio.wrap_future(loop.call(lambda e: prompt_logprobs(e.target, ids, k)))
                 toks = [detok.token(t) for t in ids]
                 offs = [sum(len(t) for t in toks[:j]) for j in range(len(toks))]
-                plp = {"tokens": toks, "token_logprobs": [r[0] if r else None for r in scored],
+                plp: dict[str, list] = {"tokens": toks, "token_logprobs": [r[0] if r else None for r in scored],
                        "top_logprobs": [{detok.token(t): v for t, v in zip(r[1][:n_lp], r[2][:n_lp])} if r else None
                                         for r in scored], "text_offset": offs}
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}

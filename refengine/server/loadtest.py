@@ -55,7 +55,9 @@ def run_load(url: str, concurrency: int, max_tokens: int, duration: float, max_r
     host, port = u.hostname or "127.0.0.1", u.port or 80
     prompts = prompts or DEFAULT_PROMPTS
     lock = threading.Lock()
-    stats = {"requests": 0, "tokens": 0, "errors": 0, "ttft": [], "latency": []}
+    counts = {"requests": 0, "tokens": 0, "errors": 0}
+    ttfts: list[float] = []
+    latencies: list[float] = []
     started = time.perf_counter()
     deadline = started + duration
     issued = [0]
@@ -71,14 +73,14 @@ def run_load(url: str, concurrency: int, max_tokens: int, duration: float, max_r
                 n, ttft, lat = one_request(host, port, prompts[(cid + k) % len(prompts)], max_tokens, timeout)
             except Exception as e:  # noqa: BLE001 - counted and reported
                 with lock:
-                    stats["errors"] += 1
+                    counts["errors"] += 1
                 print(f"client {cid}: {type(e).__name__}: {e}", file=sys.stderr)
                 continue
             with lock:
-                stats["requests"] += 1
-                stats["tokens"] += n
-                stats["ttft"].append(ttft)
-                stats["latency"].append(lat)
+                counts["requests"] += 1
+                counts["tokens"] += n
+                ttfts.append(ttft)
+                latencies.append(lat)
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
     for t in threads:
@@ -91,9 +93,9 @@ def run_load(url: str, concurrency: int, max_tokens: int, duration: float, max_r
         return round(sum(xs) / len(xs), 4) if xs else 0.0
 
     return {"url": url, "concurrency": concurrency, "max_tokens": max_tokens, "seconds": round(elapsed, 3),
-            "requests": stats["requests"], "errors": stats["errors"], "tokens": stats["tokens"],
-            "requests_per_s": round(stats["requests"] / elapsed, 3), "tok_per_s": round(stats["tokens"] / elapsed, 2),
-            "mean_ttft_s": mean(stats["ttft"]), "mean_latency_s": mean(stats["latency"])}
+            "requests": counts["requests"], "errors": counts["errors"], "tokens": counts["tokens"],
+            "requests_per_s": round(counts["requests"] / elapsed, 3), "tok_per_s": round(counts["tokens"] / elapsed, 2),
+            "mean_ttft_s": mean(ttfts), "mean_latency_s": mean(latencies)}
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:

@@ -8,9 +8,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the server modules import pydantic/fastapi: only loaded when serving
     from refengine.engine import Engine
@@ -92,8 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from refengine.config import EngineConfig
-    from refengine.engine import Engine
     from refengine.defaults import default_pair
+    from refengine.engine import Engine
 
     draft: Path | None
     if args.model is None:

@@ -77,8 +77,8 @@ def test_completions_equal_generate(spec_server, reference, detok):
 
 
 def test_chat_uses_template(spec_server, reference, detok):
-    from refengine.server.serve import chat_template_of
     from conftest import FIXTURES
+    from refengine.server.serve import chat_template_of
     assert "<|im_start|>" in chat_template_of(FIXTURES / "tiny-trained" / "target")
     c = client(spec_server)
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
