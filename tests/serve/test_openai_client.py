@@ -129,6 +129,15 @@ def test_logprobs(spec_server, reference, detok):
     for got, tops, (tid, (top_ids, top_lp)) in zip(lp.token_logprobs, lp.top_logprobs, zip(req.output_ids, req.topk)):
         assert got == pytest.approx(top_lp[0], abs=1e-5) and tid == top_ids[0]
         assert len(tops) == 3 and max(tops.values()) == pytest.approx(top_lp[0], abs=1e-5)
+    chunks = list(c.completions.create(model="tiny-trained", prompt=p, max_tokens=8, logprobs=3, stream=True))
+    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for x in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([top_lp[0] for _, top_lp in req.topk], abs=1e-5)
+    msgs = [{"role": "user", "content": p}]
+    chat = c.chat.completions.create(model="tiny-trained", messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob == pytest.approx(t.top_logprobs[0].logprob) for t in content)
     # echo + logprobs: the prompt tokens' logprobs (what lm-eval's loglikelihood reads) match Engine.score
     out = c.completions.create(model="tiny-trained", prompt=ids, max_tokens=1, logprobs=1, echo=True, temperature=0)
     lp = out.choices[0].logprobs
