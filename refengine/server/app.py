@@ -60,6 +60,10 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(ClientGone)
+    async def _gone(_req: Request, _e: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it: the request was aborted
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {}
@@ -82,12 +86,19 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
             raise ApiError(400, str(e), "max_tokens") from e
 
     async def updates(stream: Stream, http: Request) -> AsyncIterator[Update]:
+        """The stream's Updates until its final one; raises its ApiError, or ClientGone (checked every POLL_S
+        whether or not tokens are flowing)."""
+        checked = time.monotonic()
         while True:
             try:
                 upd = await asyncio.wait_for(stream.queue.get(), POLL_S)
             except asyncio.TimeoutError:
+                upd = None
+            if time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
                 if await http.is_disconnected():
-                    raise ClientGone() from None
+                    raise ClientGone()
+            if upd is None:
                 continue
             if upd.error is not None:
                 raise upd.error
@@ -152,6 +163,8 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
             except ApiError as e:
                 yield _sse(e.body())
                 yield "data: [DONE]\n\n"
+            except ClientGone:
+                return  # `done` is False: aborted below
             finally:
                 if not done or state.stopped:
                     loop.abort(stream, "client disconnected" if not done else "stop string reached")

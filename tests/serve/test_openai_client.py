@@ -203,6 +203,19 @@ def test_disconnect_mid_stream_frees_kv(spec_server):
     assert 'refengine_kv_blocks_used{model="tiny-trained"} 0' in text
 
 
+def test_disconnect_while_waiting_non_stream_frees_kv(spec_server):
+    wait_idle(spec_server)
+    conn = http.client.HTTPConnection(spec_server.host, spec_server.port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "def main():", "max_tokens": 3000}),
+                 {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while spec_server.loop.snapshot["kv_blocks_used"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert spec_server.loop.snapshot["kv_blocks_used"] > 0
+    conn.close()  # gone before the answer: the handler notices within POLL_S and aborts
+    wait_idle(spec_server, timeout=15.0)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "temperature": 0.7}, "temperature"),
     ({"prompt": "x", "n": 2}, "n"),
