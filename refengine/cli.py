@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     add_memory_parser(sub)
     add_bench_parser(sub)
+    from refengine.server.cli import add_server_parsers  # the server's imports (fastapi) load only when run
+    add_server_parsers(sub)
     return ap
 
 
