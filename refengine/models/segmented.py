@@ -43,6 +43,17 @@ def merge_layer(w: DecoderLayerWeights) -> MergedLayer:
 
 
 @dataclass
+class ContextInputs:
+    """The drafter graph's context rows: target features of newly committed positions, projected to every
+    layer's K/V inside the graph (fc, hidden_norm, k_proj, k_norm, RoPE; v_proj) and written at `slots`."""
+    feats: torch.Tensor         # [rows, len(taps) * H_target]
+    positions: torch.Tensor     # [rows] int64
+    slots: torch.Tensor         # [rows] int64 (padding rows: the dummy page)
+    k: torch.Tensor             # [rows, nkv, d]
+    q_dummy: torch.Tensor       # [rows, 1, d]: FlashInfer's RoPE rotates a q and a k of the same row count
+
+
+@dataclass
 class StepState:
     """The persistent buffers of one graph shape, `rows` rows each (a bucket's padded row count)."""
     ids: torch.Tensor           # [rows] int64
@@ -56,6 +67,7 @@ class StepState:
     attn_out: torch.Tensor      # [rows, nh, d]
     taps: torch.Tensor | None   # [rows, len(taps) * H]: layer outputs handed to the drafter
     argmax: torch.Tensor        # [S] int64
+    context: ContextInputs | None = None
 
     def head(self, rows: int) -> StepState:
         """Views of the first `rows` rows (the capture-shape rule switched off, in tests only)."""
@@ -68,23 +80,27 @@ class StepState:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, rows: int, score_index: torch.Tensor, num_taps: int,
-                 dtype: torch.dtype, device: torch.device) -> StepState:
+                 dtype: torch.dtype, device: torch.device, context_width: int = 0) -> StepState:
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)  # zeros: padding rows stay finite
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        context = None if not context_width else ContextInputs(
+            z(rows, context_width), z(rows, dt=torch.long), z(rows, dt=torch.long), z(rows, nkv, d), z(rows, 1, d))
         return cls(ids=z(rows, dt=torch.long), positions=z(rows, dt=torch.long), slots=z(rows, dt=torch.long),
                    score_index=score_index.to(device), hidden=z(rows, h), residual=z(rows, h), q=z(rows, nh, d),
                    k=z(rows, nkv, d), attn_out=z(rows, nh, d), taps=z(rows, num_taps * h) if num_taps else None,
-                   argmax=z(score_index.numel(), dt=torch.long))
+                   argmax=z(score_index.numel(), dt=torch.long), context=context)
 
 
 class SegmentedStack:
     """The segments of one model over one pool. `tap_layers`: layers whose outputs go to st.taps."""
 
     def __init__(self, cfg: ModelConfig, layers: list[MergedLayer], embed: torch.Tensor, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: Rope, pool: KvPool, kernels: Kernels, tap_layers: tuple[int, ...] = ()):
+                 lm_head: torch.Tensor, rope: Rope, pool: KvPool, kernels: Kernels, tap_layers: tuple[int, ...] = (),
+                 context_proj: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.cfg, self.layers, self.embed, self.final_norm, self.lm_head = cfg, layers, embed, final_norm, lm_head
         self.pool, self.kernels, self.tap_layers = pool, kernels, tap_layers
+        self.context_proj = context_proj  # the drafter's (fc [H, F*H], hidden_norm [H]): context rows in segment 0
         half = cfg.head_dim // 2
         self.cos_sin = torch.cat([rope.cos[:, :half], rope.sin[:, :half]], dim=-1).float().contiguous()
 
@@ -96,6 +112,8 @@ class SegmentedStack:
         """Run dense segment i (0..num_layers) on all of st's rows."""
         eps, n = self.cfg.rms_norm_eps, len(self.layers)
         if i == 0:
+            if st.context is not None:
+                self._project_context(st.context)
             st.residual.copy_(self.embed[st.ids])
             self.kernels.rmsnorm(st.residual, self.layers[0].w.input_norm, eps, out=st.hidden)
         else:
@@ -111,6 +129,22 @@ class SegmentedStack:
         else:
             logits = F.linear(st.hidden[st.score_index], self.lm_head)  # [S, V]
             st.argmax.copy_(logits.argmax(-1))
+
+    def _project_context(self, ctx: ContextInputs) -> None:
+        """Context rows -> every layer's K/V in the pool (the drafter's context_kv, fused)."""
+        assert self.context_proj is not None
+        c, (fc, hidden_norm) = self.cfg, self.context_proj
+        x = torch.empty(ctx.feats.shape[0], c.hidden_size, dtype=ctx.feats.dtype, device=ctx.feats.device)
+        self.kernels.rmsnorm(F.linear(ctx.feats, fc), hidden_norm, c.rms_norm_eps, out=x)
+        rows, kvd = x.shape[0], c.kv_dim
+        for i, layer in enumerate(self.layers):
+            kv = F.linear(x, layer.qkv[c.q_dim:])  # [rows, 2 kvd]: k_proj; v_proj
+            self.kernels.rmsnorm(kv[:, :kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps,
+                                 out=ctx.k)
+            self.kernels.rope_inplace(ctx.positions, ctx.q_dummy, ctx.k, c.head_dim, self.cos_sin)
+            self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim)[ctx.slots] = ctx.k
+            self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim)[ctx.slots] = kv[:, kvd:].view(
+                rows, c.num_kv_heads, c.head_dim)
 
     def _pre_attn(self, i: int, st: StepState) -> None:
         c, layer = self.cfg, self.layers[i]

@@ -45,7 +45,8 @@ def build_target_graphs(target: Qwen3Model, pool: KvPool, config: EngineConfig, 
 def build_draft_graph(drafter: DFlashDrafter, pool: KvPool, config: EngineConfig, capturer: Capturer) -> GraphRunner:
     m = drafter.mcfg
     stack = SegmentedStack(m, [merge_layer(w) for w in drafter.layers], drafter.embed_tokens, drafter.norm,
-                           drafter.lm_head, drafter.rope, pool, _kernels(drafter.fc.dtype, drafter.fc.device))
+                           drafter.lm_head, drafter.rope, pool, _kernels(drafter.fc.dtype, drafter.fc.device),
+                           context_proj=(drafter.fc, drafter.hidden_norm))
     return GraphRunner(stack, _attention_factory(config, pool, m), mode=config.graph_mode_name,
                        span=drafter.cfg.block_size, max_batch=config.max_num_seqs, causal=False, score="block",
                        capturer=capturer)

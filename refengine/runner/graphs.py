@@ -47,13 +47,17 @@ class Capturer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        # One side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream,
+        # so a stream per capture would strand each warm-up's temporaries (measured: 1.25 GB for 37 pieces).
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.captures = 0
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         self.captures += 1
         if not self.cuda:
             return fn
-        stream = torch.cuda.Stream()
+        stream = self.stream
+        assert stream is not None
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fn()  # warm-up outside capture: cuBLAS handles, lazy allocations, first-use initialisation
@@ -147,6 +151,8 @@ class GraphRunner:
         buffers = self._state(bucket, full)
         pool = self.stack.pool
         buffers.slots.fill_(pool.dummy_blocks[0] * pool.page_size)  # the warm-up run must not touch a real slot
+        if buffers.context is not None:
+            buffers.context.slots.fill_(pool.dummy_blocks[0] * pool.page_size)
         g = StepGraph(self.stack, self.make_attention(bucket), bucket, self.span, rows, self.causal, buffers)
         # The first plan sees the most rows the graph will ever get (FlashInfer sizes its graph-mode work
         # lists on it), all on the dummy pages, so the warm-up and capture runs touch no request's KV.
@@ -164,7 +170,9 @@ class GraphRunner:
             index = torch.arange(rows)
         else:  # "block": rows 1..span-1 of each block (the drafter's predictions)
             index = torch.tensor([i * self.span + j for i in range(bucket) for j in range(1, self.span)])
-        return StepState.allocate(self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device)
+        width = self.stack.context_proj[0].shape[1] if self.stack.context_proj is not None else 0
+        return StepState.allocate(self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device,
+                                  context_width=width)
 
     def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
         st, stack, n = g.state, self.stack, len(self.stack.layers)
@@ -186,8 +194,9 @@ class GraphRunner:
             pieces += [self.capturer.capture(seg(i)), attn(i)]
         return pieces + [self.capturer.capture(seg(n))]
 
-    def run(self, steps: list[StepRow]) -> StepGraph:
-        """Replay the graph of this step's bucket; read results from the returned graph's state."""
+    def run(self, steps: list[StepRow], prepare: Callable[[StepGraph], None] | None = None) -> StepGraph:
+        """Replay the graph of this step's bucket; read results from the returned graph's buffers.
+        `prepare(graph)` fills extra persistent inputs (the drafter's context rows) before the replay."""
         bucket = self.bucket_for(len(steps))
         assert bucket is not None and self.fits(steps)
         rows_now = sum(len(s.tokens) for s in steps) + (bucket - len(steps)) * (self.span if not self.causal else 1)
@@ -195,6 +204,8 @@ class GraphRunner:
         if not self.capture_shape_rule and rows_now > g.rows:
             steps = _truncate(steps, g.rows - (bucket - len(steps)))  # upstream's bug: too few rows computed
         batch, inputs = g.layout(steps, self.stack.pool)
+        if prepare is not None:
+            prepare(g)
         g.replay(batch, inputs)
         self.replays += 1
         return g

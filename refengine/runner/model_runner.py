@@ -22,7 +22,9 @@ class ModelRunner:
                  proposer: Proposer | None = None, graphs: dict[str, GraphRunner] | None = None):
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
-        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+        # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
+        # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
+        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "sync_wait_s": 0.0}
 
     def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
@@ -32,7 +34,9 @@ class ModelRunner:
             return None
         g = runner.run(steps)
         total = sum(len(s.tokens) for s in steps)
+        t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
+        self.timings["sync_wait_s"] += time.perf_counter() - t
         out, row = [], 0
         taps = g.buffers.taps[:total].clone() if capture and g.buffers.taps is not None else None  # reused buffer
         for s in steps:
@@ -114,6 +118,7 @@ class ModelRunner:
                                         for r, (_, start, span) in zip(plan.requests, view)])
         self._sync()
         t1 = time.perf_counter()
+        self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
         graphed = self._replay("verify", [StepRow(rid, start, toks, start + span)
                                           for (rid, start, span), toks in zip(view, tokens)], capture=True)

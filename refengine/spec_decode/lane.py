@@ -10,6 +10,7 @@ length == position of the current token. Violations raise AlignmentError at once
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
-from refengine.runner.graphs import GraphRunner, StepRow
+from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
 from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
@@ -44,6 +45,7 @@ class DFlashLane:
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
+        self._sync_wait_s = 0.0
 
     @classmethod
     def create(cls, drafter: DFlashDrafter, *, context_blocks: int, max_requests: int, page_size: int,
@@ -186,12 +188,51 @@ class DFlashLane:
         b = self.block_size
         steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
         if self.graph is not None and self.graph.fits(steps):
+            # Pending context of at most B rows per request (what a verify commits) is projected inside the
+            # graph; more (a prompt, just prefilled) is flushed eagerly first.
+            if any(self._ctx[it.req_id].pending_rows > b for it in items):
+                self._flush_pending([it.req_id for it in items])
+            pending = [self._take_pending(it.req_id) for it in items]
             self._prepare(items)
-            g = self.graph.run(steps)
+            g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
+            t = time.perf_counter()
             drafts = g.buffers.argmax.view(-1, b - 1)[:len(items)].tolist()
+            self._sync_wait_s += time.perf_counter() - t
         else:
             drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
         return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+
+    def take_sync_wait(self) -> float:
+        """Seconds spent waiting for draft-graph results since the last call (the runner's host-time split)."""
+        wait, self._sync_wait_s = self._sync_wait_s, 0.0
+        return wait
+
+    def _take_pending(self, req_id: int) -> torch.Tensor | None:
+        """The request's pending rows as one tensor (None when there are none), now counted as cached: the
+        draft graph writes their K/V before anything reads them."""
+        c = self._ctx[req_id]
+        if not c.pending_rows:
+            return None
+        rows = c.pending[0] if len(c.pending) == 1 else torch.cat(c.pending)
+        c.length += c.pending_rows
+        c.pending, c.pending_rows = [], 0
+        return rows
+
+    def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[torch.Tensor | None]) -> None:
+        """Request i's pending rows go to context rows [i*B, i*B + n) of the graph; the rest write the dummy page."""
+        ctx, b, page = graph.buffers.context, self.block_size, self.pool.page_size
+        assert ctx is not None
+        pos = [0] * ctx.positions.shape[0]
+        slots = [self.pool.dummy_blocks[0] * page] * len(pos)
+        for i, (it, rows) in enumerate(zip(items, pending)):
+            if rows is None:
+                continue
+            n, first = rows.shape[0], it.start - rows.shape[0]
+            ctx.feats[i * b:i * b + n].copy_(rows)
+            pos[i * b:i * b + n] = range(first, it.start)
+            slots[i * b:i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
+        ctx.positions.copy_(torch.tensor(pos), non_blocking=True)
+        ctx.slots.copy_(torch.tensor(slots), non_blocking=True)
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
