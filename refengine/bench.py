@@ -8,10 +8,12 @@ Greedy, ignore_eos, random-token prompts; one warm-up run per configuration is d
 weights the drafter accepts by chance only (tau ~1): the DFlash rows are then a lower bound, labelled so.
 The floor is the memory-bound limit of plain decode: weight bytes / measured HBM copy bandwidth (read +
 write), i.e. the tokens/s a batch-1 decode reaches if every step streams every weight once. The last line
-printed is JSON.
+printed is JSON. A request that is rejected or does not run its whole budget fails the bench (exit 2, the
+request's message on stderr) instead of printing a 0 tok/s row.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import sys
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from refengine.config import EngineConfig
+from refengine.errors import InvalidRequestError, StepError
 from refengine.request import SamplingParams
 
 
@@ -48,7 +51,41 @@ def _run(engine, prompts, new_tokens):
     reqs = engine.generate(prompts, params)
     if engine.target.device.type == "cuda":
         torch.cuda.synchronize()
+    _check_ran(reqs, new_tokens)
     return reqs, time.perf_counter() - t0
+
+
+def _check_ran(reqs, new_tokens: int) -> None:
+    """A row is only a measurement if every request ran its whole budget: a rejected or failed request is
+    an error (InvalidRequestError / StepError with the request's message), never a 0 tok/s row."""
+    for r in reqs:
+        if r.reject_reason is not None:
+            raise InvalidRequestError(f"bench request {r.request_id} rejected ({r.reject_reason.value}): {r.message}")
+        if len(r.output_ids) != new_tokens:
+            raise StepError(f"bench request {r.request_id} ran {len(r.output_ids)} of {new_tokens} tokens "
+                            f"({r.finish_reason.value if r.finish_reason else 'unfinished'}) {r.message}".rstrip())
+
+
+def concurrency_list(text: str) -> list[int]:
+    """argparse type of --concurrency: comma-separated integers >= 1."""
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,8,16") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrency {min(values)} in {text!r}: each must be >= 1")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """argparse type of --prompt-len / --output-tokens: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
 
 
 def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concurrency: list[int],
@@ -124,9 +161,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--draft", help="drafter dir (default with no --target: the embedded drafter)")
     p.add_argument("--synthetic", action="store_true", help="random weights from config.json alone")
     p.add_argument("--device", default=None)
-    p.add_argument("--concurrency", default="1,8", help="comma-separated, e.g. 1,8,16,32")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=concurrency_list, default="1,8", help="comma-separated, e.g. 1,8,16,32")
+    p.add_argument("--prompt-len", type=positive_int, default=128)
+    p.add_argument("--output-tokens", type=positive_int, default=128)
     p.add_argument("--profile", action="store_true",
                    help="also print torch.profiler's top ops for the first concurrency of each mode (stderr)")
     p.set_defaults(func=_cmd)
@@ -141,7 +178,7 @@ def _cmd(args) -> int:
         target, draft = args.target, args.draft
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = bench(target, draft, device=device, synthetic=args.synthetic,
-                concurrency=[int(c) for c in args.concurrency.split(",")], prompt_len=args.prompt_len,
+                concurrency=args.concurrency, prompt_len=args.prompt_len,
                 output_tokens=args.output_tokens, profile=args.profile)
     print(json.dumps(res))
     return 0

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from refengine.bench import add_bench_parser
 from refengine.errors import RefEngineError
@@ -75,8 +76,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line on stderr (exit 2), like every other refengine error; --help has the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="refengine", description="Reference engine for DFlash on Qwen3")
+    ap = _Parser(prog="refengine", description="Reference engine for DFlash on Qwen3")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="greedy generation (with DFlash when a drafter is given)")
     g.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")

@@ -196,9 +196,12 @@ class Engine:
                 raise InvalidRequestError(f"scoring request rejected ({req.reject_reason.value}): {req.message}")
         while any(not req.finished for req, _ in runs):
             self.step()
-            for req, _ in runs:
-                if req.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
-                    raise StepError(f"scoring request {req.request_id} {req.finish_reason.value}: {req.message}")
+            failed = next((r for r, _ in runs if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED)), None)
+            if failed is not None:
+                for req, _ in runs:
+                    self.abort(req.request_id, f"scoring aborted: request {failed.request_id} failed")
+                reason = failed.finish_reason.value if failed.finish_reason else "failed"
+                raise StepError(f"scoring request {failed.request_id} {reason}: {failed.message}")
             for req, cont in runs:
                 n = len(req.output_ids)
                 if not req.finished and 0 < n <= len(cont):

@@ -129,22 +129,19 @@ def _print_reservation(r: DFlashMemoryReservation) -> None:
 
 
 def run_memory(args: argparse.Namespace) -> int:
-    """Print the table and a JSON summary. 0: both rows planned; 1: a row does not fit; 2: bad input."""
-    try:
-        target = ModelConfig.from_hf(load_config(args.target), where="target")
-        reservation = None if args.draft is None else DFlashMemoryReservation.from_config(
-            args.target, args.draft, page_size=args.page_size, max_decode_batch=args.max_decode_batch,
-            accounting=args.accounting)
-        device = _device(args)
-        if device is None:
-            print("refengine memory: no CUDA device; pass --gpu-mem-gib N to plan for a device of N GiB",
-                  file=sys.stderr)
-            return 2
-        weights = target_weight_bytes(target)
-        loaded = device.after_loading(weights, "target weights")
-    except RefEngineError as e:
-        print(f"refengine memory: {e}", file=sys.stderr)
+    """Print the table and a JSON summary. 0: both rows planned; 1: a row does not fit; 2: bad input (a
+    RefEngineError, printed by refengine.cli.main as one line)."""
+    target = ModelConfig.from_hf(load_config(args.target), where="target")
+    reservation = None if args.draft is None else DFlashMemoryReservation.from_config(
+        args.target, args.draft, page_size=args.page_size, max_decode_batch=args.max_decode_batch,
+        accounting=args.accounting)
+    device = _device(args)
+    if device is None:
+        print("refengine memory: no CUDA device; pass --gpu-mem-gib N to plan for a device of N GiB",
+              file=sys.stderr)
         return 2
+    weights = target_weight_bytes(target)
+    loaded = device.after_loading(weights, "target weights")
     overheads = {"off": int(args.runtime_overhead_mib[0] * MiB), "on": int(args.runtime_overhead_mib[1] * MiB)}
     print(f"device: {mib(device.total_bytes)} MiB total, {mib(device.free_bytes)} MiB free ({device.source}); "
           f"utilisation {args.util:.2f}")

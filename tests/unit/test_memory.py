@@ -386,9 +386,10 @@ def test_cli_bad_numbers_fail_before_printing(flag, value, message, capsys):
     assert exc.value.code == 2 and message in captured.err and captured.out == "", captured
 
 
-def test_cli_bad_path_is_a_usage_error():
-    rc, lines = run_cli("--target", str(CONFIGS / "missing"), "--gpu-mem-gib", "16")
-    assert rc == 2, "\n".join(lines)
+def test_cli_bad_path_is_a_usage_error(capsys):
+    from refengine.cli import main  # RefEngineErrors of every subcommand are printed by cli.main, exit 2
+    rc = main(["memory", "--target", str(CONFIGS / "missing"), "--gpu-mem-gib", "16"])
+    assert rc == 2 and "refengine: CheckpointError: " in capsys.readouterr().err
 
 
 # -- real device (skipped without CUDA) --------------------------------------------------------------------------

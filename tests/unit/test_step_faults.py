@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from refengine import FinishReason, RequestStatus, SamplingParams
-from refengine.errors import IntegrityError
+from refengine.errors import IntegrityError, StepError
 from refengine.plan import StepResult
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.faults import FaultInjector
@@ -187,3 +187,13 @@ def test_check_integrity_names_each_disagreement(random_pair):
         engine = corrupted(how)
         with pytest.raises(IntegrityError, match=message.replace("[", r"\[").replace("]", r"\]")):
             engine.check_integrity()
+
+
+def test_score_raises_step_error_and_leaves_nothing_behind(random_pair):
+    engine = _engine(random_pair, draft=False, max_num_seqs=1)
+    FaultInjector(engine, "decode", at=0, times=2)
+    with pytest.raises(StepError, match=r"scoring request 0 error: request 0: 2 steps it was part of failed"):
+        engine.score([(PROMPTS[0], [1, 2, 3]), (PROMPTS[1], [4, 5])])
+    assert not engine.has_work(), "the other scoring request must not be left queued"
+    assert engine.finished[-1].finish_reason is FinishReason.ABORTED
+    assert engine.pool.allocator.num_free == engine.pool.num_blocks

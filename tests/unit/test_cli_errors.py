@@ -1,0 +1,68 @@
+"""Every bad command line gets one line on stderr and a non-zero exit, never a traceback: bad --concurrency
+lists (0, non-integers) and lengths are argparse usage errors (exit 2); `refengine bench` fails (exit 2,
+the rejection message) when a request is rejected, here every one (--prompt-len 5000), or does not run its
+budget, instead of printing 0 tok/s; a RefEngineError from `refengine memory` reaches cli.main and prints
+`refengine: <Type>: <message>`.
+
+Run: python -m pytest -q tests/unit/test_cli_errors.py
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from refengine import FinishReason, Request, SamplingParams
+from refengine.bench import _check_ran
+from refengine.cli import main
+from refengine.defaults import RANDOM_PAIR
+from refengine.errors import StepError
+
+QWEN3_4B = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen3-4b"
+
+
+def _fails(capsys, *argv: str) -> str:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse usage errors exit from parse_args
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, f"{' '.join(argv)}: exit {rc}, stdout {out[-300:]!r}"
+    assert "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
+    return err
+
+
+@pytest.mark.parametrize("value,message", [
+    ("2,0", "argument --concurrency: concurrency 0 in '2,0': each must be >= 1"),
+    ("a,b", "argument --concurrency: 'a,b' is not a comma-separated list of integers"),
+    ("", "argument --concurrency: '' is not a comma-separated list of integers"),
+])
+def test_bench_concurrency_is_validated(capsys, value, message):
+    err = _fails(capsys, "bench", "--device", "cpu", "--concurrency", value)
+    assert err.startswith("refengine bench: error: ") and message in err, err
+
+
+def test_bench_lengths_are_validated(capsys):
+    assert "argument --prompt-len: 0 must be >= 1" in _fails(capsys, "bench", "--prompt-len", "0")
+    assert "argument --output-tokens: 'x' is not an integer" in _fails(capsys, "bench", "--output-tokens", "x")
+
+
+def test_bench_fails_when_every_request_is_rejected(capsys):
+    err = _fails(capsys, "bench", "--device", "cpu", "--target", str(RANDOM_PAIR / "target"), "--concurrency", "1",
+                 "--prompt-len", "5000", "--output-tokens", "4")
+    assert err.startswith("refengine: InvalidRequestError: bench request 0 rejected (context_length): "
+                          "prompt 5000 + max_tokens "), err
+
+
+def test_bench_row_that_ran_short_is_an_error():
+    req = Request(3, [1, 2], SamplingParams(max_tokens=4))
+    req.finish(FinishReason.ERROR, "request 3: 2 steps it was part of failed")
+    with pytest.raises(StepError, match=r"bench request 3 ran 0 of 4 tokens \(error\) request 3: 2 steps"):
+        _check_ran([req], 4)
+
+
+def test_memory_errors_go_through_cli_main(capsys, tmp_path):
+    err = _fails(capsys, "memory", "--target", str(tmp_path / "missing"), "--gpu-mem-gib", "16")
+    assert err.startswith("refengine: CheckpointError: ") and "no config.json" in err, err
+    err = _fails(capsys, "memory", "--target", str(QWEN3_4B), "--gpu-mem-gib", "1")
+    assert err.startswith("refengine: KvBudgetError: target weights needs ") and "1024 MiB" in err, err
