@@ -142,9 +142,9 @@ class SegmentedStack:
             self.kernels.rmsnorm(kv[:, :kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps,
                                  out=ctx.k)
             self.kernels.rope_inplace(ctx.positions, ctx.q_dummy, ctx.k, c.head_dim, self.cos_sin)
-            self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim)[ctx.slots] = ctx.k
-            self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim)[ctx.slots] = kv[:, kvd:].view(
-                rows, c.num_kv_heads, c.head_dim)
+            self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, ctx.slots, ctx.k)
+            self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
+                0, ctx.slots, kv[:, kvd:].view(rows, c.num_kv_heads, c.head_dim))
 
     def _pre_attn(self, i: int, st: StepState) -> None:
         c, layer = self.cfg, self.layers[i]
@@ -154,9 +154,9 @@ class SegmentedStack:
         self.kernels.rmsnorm(qkv[:, qd:qd + kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm,
                              c.rms_norm_eps, out=st.k)
         self.kernels.rope_inplace(st.positions, st.q, st.k, c.head_dim, self.cos_sin)
-        self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim)[st.slots] = st.k
-        self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim)[st.slots] = qkv[:, qd + kvd:].view(
-            rows, c.num_kv_heads, c.head_dim)
+        self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, st.slots, st.k)
+        self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
+            0, st.slots, qkv[:, qd + kvd:].view(rows, c.num_kv_heads, c.head_dim))
 
     def _post_attn(self, i: int, st: StepState) -> None:
         layer, eps = self.layers[i], self.cfg.rms_norm_eps
