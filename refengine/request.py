@@ -69,6 +69,7 @@ class SpecStats:
     verify_steps: int = 0
     committed_tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
+    span_hist: Counter = field(default_factory=Counter)      # verify span chosen (adaptive: 1..B) -> steps
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -76,15 +77,18 @@ class SpecStats:
     def tau(self) -> float:
         return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
 
-    def record(self, committed: int) -> None:
+    def record(self, committed: int, span: int | None = None) -> None:
         self.verify_steps += 1
         self.committed_tokens += committed
         self.accepted_hist[committed] += 1
+        if span is not None:
+            self.span_hist[span] += 1
 
     def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps
         self.committed_tokens += other.committed_tokens
         self.accepted_hist.update(other.accepted_hist)
+        self.span_hist.update(other.span_hist)
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s
 

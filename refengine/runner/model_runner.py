@@ -83,8 +83,13 @@ class ModelRunner:
             return StepResult(a, t)
         assert isinstance(plan, VerifyPlan) and self.proposer is not None
         view = self.pool.speculative_view(plan.reservation)
-        drafts = self.proposer.propose([DraftItem(r.request_id, r.output_ids[-1], start, span)
-                                        for r, (_, start, span) in zip(plan.requests, view)])
+        items = [DraftItem(r.request_id, r.output_ids[-1], start, span)
+                 for r, (_, start, span) in zip(plan.requests, view)]
+        drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
+        drafts: list[list[int]] = [[] for _ in items]
+        if drafting:
+            for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
+                drafts[i] = d
         self._sync()
         t1 = time.perf_counter()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]

@@ -1,0 +1,175 @@
+"""Adaptive speculation: per step, each speculating request's verify span (1 = plain decode for it), chosen
+to maximise expected committed tokens per second. Pure Python (no torch): the scheduler feeds it measured
+step costs and per-request acceptance, and asks it for spans.
+
+Model (all online, with priors):
+- acceptance: each request has a per-position acceptance rate a_i, the decayed maximum-likelihood estimate of
+  a geometric acceptance model: a_i = (s_i + 1) / (s_i + f_i + 2), where after every verify step of span S
+  accepting m drafts s_i <- DECAY*s_i + m and f_i <- DECAY*f_i + [m < S-1] (a rejection was seen). The
+  expected tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
+- cost: a verify step of N requests and R total rows costs V(N, R) = v0 + v1*N + v2*R seconds; a draft step
+  for M requests D(M) = d0 + d1*M (0 when M = 0). Both are fitted by recursive least squares (forgetting
+  factor FORGET) on the runner's GPU-synchronised timings, starting from priors. A step where every span is 1
+  runs no draft: it is a plain decode step (plus the tap-layer features the drafter context needs), so the
+  plain curve is V(N, N).
+- decision: for each cap S in 2..B, every request gets s_i = min(S, remaining_i); requests are then switched to
+  span 1 lowest gain first (k = 0..K), and the choice maximising
+      sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, sum_i s_i))
+  wins; k = K is plain decode, so a spec choice is only taken when its predicted rate beats plain's.
+- exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
+  curve and the acceptance estimates stay measured; the interval doubles (8 .. 256) while the choice is
+  confirmed and drops back to 8 when it flips.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+DECAY = 0.9
+FORGET = 0.98
+MIN_EXPLORE, MAX_EXPLORE = 8, 256
+
+
+class _Rls:
+    """Recursive least squares y ~ theta . x with forgetting, in plain Python (dimension 2 or 3)."""
+
+    def __init__(self, theta: list[float], variance: float):
+        n = len(theta)
+        self.theta = list(theta)
+        self.p = [[variance if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.updates = 0
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+    def update(self, x: list[float], y: float) -> None:
+        n = len(x)
+        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = FORGET + sum(x[i] * px[i] for i in range(n))
+        k = [v / denom for v in px]
+        err = y - self.predict(x)
+        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
+        self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(n)] for i in range(n)]
+        self.updates += 1
+
+
+@dataclass
+class CostModel:
+    """V(N, R) and D(M) in seconds. Priors: a memory-bound step (fixed cost dominates), drafts cheaper."""
+    verify: _Rls = field(default_factory=lambda: _Rls([5e-3, 5e-5, 2e-5], 1e-4))
+    draft: _Rls = field(default_factory=lambda: _Rls([2e-3, 1e-4], 1e-4))
+
+    @classmethod
+    def linear(cls, v0: float, v1: float, v2: float, d0: float, d1: float) -> CostModel:
+        """A fixed model (tests, calibration results)."""
+        m = cls()
+        m.verify.theta, m.draft.theta = [v0, v1, v2], [d0, d1]
+        return m
+
+    def verify_s(self, n: int, rows: int) -> float:
+        return max(self.verify.predict([1.0, n, rows]), 1e-6)
+
+    def draft_s(self, m: int) -> float:
+        return max(self.draft.predict([1.0, m]), 0.0) if m else 0.0
+
+    def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
+        self.verify.update([1.0, n, rows], verify_s)
+        if drafted:
+            self.draft.update([1.0, drafted], draft_s)
+
+
+def expected_tokens(alpha: float, span: int) -> float:
+    """E[committed] for a span under geometric acceptance alpha: 1 + alpha + ... + alpha^(span-1)."""
+    return float(span) if alpha >= 1.0 else (1.0 - alpha ** span) / (1.0 - alpha)
+
+
+@dataclass(frozen=True)
+class Decision:
+    spans: list[int]
+    predicted_tok_per_s: float
+    plain_tok_per_s: float       # the same step as plain decode (every span 1)
+    cap: int                     # the S of the winning candidate (1 = plain)
+
+
+def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: CostModel) -> Decision:
+    """The span per request maximising predicted committed tokens / second (see the module docstring)."""
+    n = len(alphas)
+    plain_rate = n / cost.verify_s(n, n)
+    best = Decision([1] * n, plain_rate, plain_rate, 1)
+    for cap in range(2, block + 1):
+        spans = [max(1, min(cap, r)) for r in remaining]
+        cands = sorted((expected_tokens(a, s) - 1.0, s - 1, i) for i, (a, s) in enumerate(zip(alphas, spans))
+                       if s > 1)
+        gain, extra = sum(g for g, _, _ in cands), sum(e for _, e, _ in cands)
+        for k in range(len(cands) + 1):   # drop the k lowest-gain requests to span 1
+            if k:
+                gain, extra = gain - cands[k - 1][0], extra - cands[k - 1][1]
+            drafted = len(cands) - k
+            if not drafted:
+                break
+            rate = (n + gain) / (cost.draft_s(drafted) + cost.verify_s(n, n + extra))
+            if rate > best.predicted_tok_per_s * (1 + 1e-9):
+                chosen = list(spans)
+                for _, _, i in cands[:k]:
+                    chosen[i] = 1
+                best = Decision(chosen, rate, plain_rate, cap)
+    return best
+
+
+@dataclass
+class AdaptivePolicy:
+    """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics."""
+    block_size: int
+    cost: CostModel = field(default_factory=CostModel)
+    counts: dict[int, tuple[float, float]] = field(default_factory=dict)   # req -> (accepted, rejected)
+    interval: int = MIN_EXPLORE
+    steps: int = 0
+    explored: int = 0
+    caps: Counter = field(default_factory=Counter)     # winning S per decision (1 = plain)
+    last: Decision | None = None
+    _explored_kind: bool | None = None   # at the last exploration, was speculating the choice?
+
+    def alpha(self, req_id: int) -> float:
+        s, f = self.counts.get(req_id, (0.0, 0.0))
+        return (s + 1.0) / (s + f + 2.0)  # 0.5 before any evidence
+
+    def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
+        d = choose_spans([self.alpha(r) for r in req_ids], remaining, self.block_size, self.cost)
+        self.steps += 1
+        explore = self.steps <= 2 or self.steps % self.interval == 0
+        if explore:  # try the other kind: full spans if plain wins, plain if speculating wins
+            try_spec = self.steps == 1 if self.steps <= 2 else d.cap == 1
+            if self.steps > 2:
+                same = self._explored_kind == (d.cap > 1)
+                self._explored_kind = d.cap > 1
+                self.interval = min(self.interval * 2, MAX_EXPLORE) if same else MIN_EXPLORE
+            self.explored += 1
+            self.last = d
+            return [max(1, min(self.block_size, r)) for r in remaining] if try_spec else [1] * len(req_ids)
+        self.caps[d.cap] += 1
+        self.last = d
+        return d.spans
+
+    def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
+        self.cost.observe(n, rows, drafted, draft_s, verify_s)
+
+    def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
+        if span <= 1:
+            return  # no drafts: nothing learnt about acceptance
+        s, f = self.counts.get(req_id, (0.0, 0.0))
+        self.counts[req_id] = (DECAY * s + accepted, DECAY * f + (1.0 if accepted < span - 1 else 0.0))
+
+    def release(self, req_id: int) -> None:
+        self.counts.pop(req_id, None)
+
+    def summary(self) -> dict:
+        """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
+        v, d = self.cost.verify.theta, self.cost.draft.theta
+        return {"decisions": self.steps, "explored": self.explored,
+                "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
+                "verify_ms_model": {"per_step": round(v[0] * 1e3, 4), "per_request": round(v[1] * 1e3, 5),
+                                    "per_row": round(v[2] * 1e3, 5), "fits": self.cost.verify.updates},
+                "draft_ms_model": {"per_step": round(d[0] * 1e3, 4), "per_request": round(d[1] * 1e3, 5),
+                                   "fits": self.cost.draft.updates},
+                "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
+                "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None}
