@@ -89,6 +89,8 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
             for c in concurrency:
                 batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
                 run_once(engine, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+                if engine.scheduler.policy is not None:
+                    engine.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
                 runs = []
                 for _ in range(repeats):
                     runs.append(measure_row(engine, mode, label, batch, output_tokens, floor, int(own_bytes),

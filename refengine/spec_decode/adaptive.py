@@ -128,13 +128,22 @@ class AdaptivePolicy:
     caps: Counter = field(default_factory=Counter)     # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None   # at the last exploration, was speculating the choice?
+    last_mean_alpha: float | None = None
+    _decisions_before: int = 0
+
+    def reset_stats(self) -> None:
+        """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
+        self.explored, self.caps = 0, Counter()
+        self._decisions_before = self.steps
 
     def alpha(self, req_id: int) -> float:
         s, f = self.counts.get(req_id, (0.0, 0.0))
         return (s + 1.0) / (s + f + 2.0)  # 0.5 before any evidence
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
-        d = choose_spans([self.alpha(r) for r in req_ids], remaining, self.block_size, self.cost)
+        alphas = [self.alpha(r) for r in req_ids]
+        d = choose_spans(alphas, remaining, self.block_size, self.cost)
+        self.last_mean_alpha = sum(alphas) / len(alphas)
         self.steps += 1
         explore = self.steps <= 2 or self.steps % self.interval == 0
         if explore:  # try the other kind: full spans if plain wins, plain if speculating wins
@@ -165,11 +174,13 @@ class AdaptivePolicy:
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
         v, d = self.cost.verify.theta, self.cost.draft.theta
-        return {"decisions": self.steps, "explored": self.explored,
+        return {"decisions": self.steps - self._decisions_before, "explored": self.explored,
                 "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
                 "verify_ms_model": {"per_step": round(v[0] * 1e3, 4), "per_request": round(v[1] * 1e3, 5),
                                     "per_row": round(v[2] * 1e3, 5), "fits": self.cost.verify.updates},
                 "draft_ms_model": {"per_step": round(d[0] * 1e3, 4), "per_request": round(d[1] * 1e3, 5),
                                    "fits": self.cost.draft.updates},
                 "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
-                "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None}
+                "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
+                "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None
+                else None}
