@@ -92,28 +92,49 @@ class Decision:
 
 
 def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: CostModel) -> Decision:
-    """The span per request maximising predicted committed tokens / second (see the module docstring)."""
+    """The span per request maximising predicted committed tokens / second (see the module docstring).
+
+    Requests are switched to span 1 lowest acceptance first (for a common span the gain E(S) - 1 rises with
+    the acceptance). O(B * N) arithmetic: well under a millisecond at N = 32, B = 16."""
     n = len(alphas)
     plain_rate = n / cost.verify_s(n, n)
     best = Decision([1] * n, plain_rate, plain_rate, 1)
+    order = sorted(range(n), key=lambda i: alphas[i])
+    # cum[i][s] = E_i(s) for s = 0..block (E(0) = 0)
+    cum = []
+    for a in alphas:
+        row, term, acc = [0.0], 1.0, 0.0
+        for _ in range(block):
+            acc += term
+            row.append(acc)
+            term *= a
+        cum.append(row)
+    draft_cost = [cost.draft_s(m) for m in range(n + 1)]
+    v0, v1, v2 = cost.verify.theta
+    v_fixed = v0 + v1 * n
+    best_rate, best_k, best_cap = plain_rate * (1 + 1e-9), 0, 1
     for cap in range(2, block + 1):
-        spans = [max(1, min(cap, r)) for r in remaining]
-        cands = sorted((expected_tokens(a, s) - 1.0, s - 1, i) for i, (a, s) in enumerate(zip(alphas, spans))
-                       if s > 1)
-        gain, extra = sum(g for g, _, _ in cands), sum(e for _, e, _ in cands)
-        for k in range(len(cands) + 1):   # drop the k lowest-gain requests to span 1
+        spans = [cap if remaining[i] >= cap else max(1, remaining[i]) for i in order]
+        gains = [cum[i][s] - 1.0 for i, s in zip(order, spans)]
+        gain, extra = sum(gains), sum(spans) - n
+        drafted = sum(1 for s in spans if s > 1)
+        for k in range(n):            # the k lowest-acceptance requests at span 1
             if k:
-                gain, extra = gain - cands[k - 1][0], extra - cands[k - 1][1]
-            drafted = len(cands) - k
+                gain -= gains[k - 1]
+                extra -= spans[k - 1] - 1
+                drafted -= spans[k - 1] > 1
             if not drafted:
                 break
-            rate = (n + gain) / (cost.draft_s(drafted) + cost.verify_s(n, n + extra))
-            if rate > best.predicted_tok_per_s * (1 + 1e-9):
-                chosen = list(spans)
-                for _, _, i in cands[:k]:
-                    chosen[i] = 1
-                best = Decision(chosen, rate, plain_rate, cap)
-    return best
+            denom = draft_cost[drafted] + v_fixed + v2 * (n + extra)
+            if denom > 0 and (n + gain) > best_rate * denom:
+                best_rate, best_k, best_cap = (n + gain) / denom, k, cap
+    if best_cap == 1:
+        return best
+    chosen = [1] * n
+    for rank, i in enumerate(order):
+        if rank >= best_k:
+            chosen[i] = max(1, min(best_cap, remaining[i]))
+    return Decision(chosen, best_rate, plain_rate, best_cap)
 
 
 @dataclass
