@@ -25,7 +25,8 @@ def load_hf(target: str, *, dtype: torch.dtype, device: str, synthetic: bool):
     has_weights = any(Path(target).glob("*.safetensors"))
     if synthetic or not has_weights:
         cfg = AutoConfig.from_pretrained(target)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        with torch.device(device):  # random init on the device itself (a 4B model inits slowly on the CPU)
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     return model.to(device).eval()
