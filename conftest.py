@@ -2,7 +2,8 @@
 
 Model pairs: the tiny random pair always; the trained tiny pair when its files exist; a real pair
 (e.g. Qwen3-4B + z-lab/Qwen3-4B-DFlash-b16) when REFENGINE_TARGET_PATH and REFENGINE_DRAFT_PATH are set.
-CPU tests run in fp32; tests marked `gpu` run in bf16 on CUDA and skip cleanly without it.
+CPU tests run in fp32; tests marked `gpu` run in bf16 on CUDA and skip cleanly without it. Every Engine.step
+in the suite is followed by Engine.check_integrity() (an autouse fixture).
 """
 from __future__ import annotations
 
@@ -77,3 +78,27 @@ def model_pair(request) -> ModelPair:
 @pytest.fixture(scope="session")
 def random_pair() -> ModelPair:
     return next(p for p in model_pairs() if p.name == "tiny-random")
+
+
+@pytest.fixture(scope="session")
+def trained_pair() -> ModelPair:
+    """The trained tiny pair (real acceptance: drafts get accepted, so verify rows past the first matter)."""
+    pair = next((p for p in model_pairs() if p.name == "tiny-trained"), None)
+    if pair is None:
+        pytest.fail("fixtures/tiny-trained is missing (python -m fixtures.build.train_target / train_draft)")
+    return pair
+
+
+@pytest.fixture(autouse=True)
+def _integrity_after_every_step(monkeypatch):
+    """Every Engine.step in the suite is followed by Engine.check_integrity(): scheduler, KV pool and proposer
+    agree after every step of every test (IntegrityError at the first step where they do not)."""
+    from refengine.engine import Engine
+    step = Engine.step
+
+    def checked_step(self):
+        done = step(self)
+        self.check_integrity()
+        return done
+
+    monkeypatch.setattr(Engine, "step", checked_step)

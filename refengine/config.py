@@ -30,6 +30,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+GRAPH_MODES = ("eager", "piecewise", "full")
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,10 @@ class EngineConfig:
     # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
     # `refengine bench --acceptance-profile` enables them. Any value is refused.
     acceptance_profile: str | None = None
+    # CUDA graphs for decode, verify and draft steps: "eager" (none), "piecewise" (dense segments captured,
+    # attention eager between them) or "full" (attention inside the graph, re-planned before each replay).
+    # Default: "full" on CUDA, "eager" on the CPU (where graph modes run with a fake capturer, for tests).
+    graph_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -221,6 +226,8 @@ class EngineConfig:
             raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise UnsupportedConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.graph_mode not in (None, *GRAPH_MODES):
+            raise UnsupportedConfigError(f"graph_mode={self.graph_mode!r}: use one of {GRAPH_MODES}")
         if self.memory_accounting not in MEMORY_ACCOUNTINGS:
             raise UnsupportedConfigError(f"memory_accounting={self.memory_accounting!r}: use 'upstream' or 'lane'")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -237,6 +244,10 @@ class EngineConfig:
     @property
     def torch_dtype_name(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+    @property
+    def graph_mode_name(self) -> str:
+        return self.graph_mode or ("full" if self.device.startswith("cuda") else "eager")
 
     @property
     def backend_name(self) -> str:

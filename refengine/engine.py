@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -9,13 +10,16 @@ import torch
 
 from refengine.attention import make_backend
 from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json, read_stop_ids
-from refengine.errors import InvalidRequestError, UnsupportedConfigError
+from refengine.errors import InvalidRequestError, StepError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.planner import KvBudgetPlan
 from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
-from refengine.request import Request, SamplingParams, SpecStats
+from refengine.plan import Plan, validate_result
+from refengine.request import FinishReason, Request, SamplingParams, SpecStats
+from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
+from refengine.runner.graphs import Capturer, GraphRunner
 from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
@@ -24,6 +28,7 @@ from refengine.spec_decode.lane import DFlashLane
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_token_ids
 
+log = logging.getLogger("refengine")
 CPU_KV_BYTES = 256 * 1024 * 1024   # default KV pool on the CPU
 
 
@@ -59,17 +64,20 @@ class Engine:
         num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
         self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
                         if config.draft_path else None)
-        self.proposer: Proposer | None = proposer if proposer is not None else (
-            DFlashLane(self.drafter) if self.drafter is not None and config.speculative else None)
+        self.proposer: Proposer | None = proposer
+        if proposer is None and self.drafter is not None and config.speculative:
+            self.proposer = DFlashLane.create(self.drafter, context_blocks=num_blocks, max_requests=config.max_num_seqs,
+                                              page_size=config.page_size, backend=config.backend_name)
+        span = self.proposer.block_size if self.proposer is not None else 1
         self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
-                           dtype, self.target.device)
+                           dtype, self.target.device, dummy_blocks=blocks_for(span, config.page_size))
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
         self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size,
                                    eos_ids=read_stop_ids(config.target_path, tcfg),
                                    max_context=self.max_context, max_num_seqs=config.max_num_seqs,
                                    max_prefill_tokens=config.max_prefill_tokens,
                                    speculation=config.speculation, acceptance_override=acceptance_override)
-        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer)
+        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs())
         self.scheduler.bind_timings(self.runner.timings)
         self._ids = itertools.count()
         self.finished: list[Request] = []
@@ -87,6 +95,17 @@ class Engine:
         wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
         return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
 
+    def _graphs(self) -> dict[str, GraphRunner]:
+        """The decode / verify graph runners (and the lane's draft graph) unless graph_mode is 'eager'."""
+        if self.config.graph_mode_name == "eager":
+            return {}
+        capturer = Capturer(self.target.device)
+        taps = self.proposer.capture_layers if self.proposer is not None else ()
+        span = self.proposer.block_size if self.proposer is not None else None
+        if isinstance(self.proposer, DFlashLane):
+            self.proposer.graph = build_draft_graph(self.proposer.drafter, self.proposer.pool, self.config, capturer)
+        return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span)
+
     def max_context_tokens(self) -> int:
         return self.max_context
 
@@ -101,14 +120,59 @@ class Engine:
         return req
 
     def step(self) -> list[Request]:
-        """Run one plan; return the requests that finished in it."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return []
-        self.scheduler.commit(plan, self.runner.execute(plan))
-        done = [r for r in plan.requests if r.finished]
+        """Run one plan as a transaction; return the requests that finished in it.
+
+        Policy on failure (refengine/scheduler.py): an exception from executing the plan (any forward, the
+        proposer's draft, a result that does not match the plan) rolls the plan back completely, then its
+        requests are retried; one in a second failed step finishes with FinishReason.ERROR and the exception
+        in its message (its KV and drafter context freed). A failure inside commit is a refengine bug: the
+        plan's unfinished requests finish with ERROR. Nothing is re-raised (except KeyboardInterrupt and
+        other non-Exception exits, after the rollback), every other request goes on producing exactly its
+        bs=1 output, and the engine keeps serving."""
+        sched = self.scheduler
+        plan = sched.schedule()
+        if plan is not None:
+            try:
+                result = self.runner.execute(plan)
+                validate_result(plan, result, self.target.cfg.vocab_size,
+                                self.proposer.staged_requests() if self.proposer is not None else set())
+            except BaseException as e:
+                self._log_failure(plan, e)
+                try:
+                    sched.rollback(plan, e, count=isinstance(e, Exception))
+                except Exception as e2:
+                    sched.abandon(plan, e2)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                try:
+                    sched.commit(plan, result)
+                except Exception as e:
+                    self._log_failure(plan, e)
+                    sched.abandon(plan, e)
+        done = sched.take_done()
         self.finished.extend(done)
         return done
+
+    @staticmethod
+    def _log_failure(plan: Plan, e: BaseException) -> None:
+        ids = [r.request_id for r in plan.requests]
+        log.warning("%s of requests %s failed: %s: %s", type(plan).__name__, ids, type(e).__name__, e)
+        log.debug("the failed step's traceback", exc_info=e)
+
+    def abort(self, request_id: int, message: str = "aborted by the caller") -> bool:
+        """Finish a waiting or running request now with FinishReason.ABORTED and `message`; its KV blocks,
+        lifetime reservation and drafter context are freed at once. False if the id is unknown or the request
+        already finished. Call it between steps (the engine is single-threaded)."""
+        req = self.scheduler.abort(request_id, message)
+        if req is None:
+            return False
+        self.finished.append(req)
+        return True
+
+    def get_request(self, request_id: int) -> Request | None:
+        """The live (waiting or running) request with this id; None once it finished or if it never existed."""
+        return self.scheduler.get(request_id)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work
@@ -139,6 +203,9 @@ class Engine:
                 raise InvalidRequestError(f"scoring request rejected ({req.reject_reason.value}): {req.message}")
         while any(not req.finished for req, _ in runs):
             self.step()
+            for req, _ in runs:
+                if req.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED):
+                    raise StepError(f"scoring request {req.request_id} {req.finish_reason.value}: {req.message}")
             for req, cont in runs:
                 n = len(req.output_ids)
                 if not req.finished and 0 < n <= len(cont):

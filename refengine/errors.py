@@ -35,3 +35,8 @@ class KvBudgetError(RefEngineError):
 
 class IntegrityError(RefEngineError):
     """Scheduler, KV pool and drafter lane disagree about what is live: a bug, caught by check_integrity()."""
+
+
+class StepError(RefEngineError):
+    """An engine step failed (an exception from the forward or the proposer, or a malformed result); the
+    step was rolled back, and a request whose second step failed finished with FinishReason.ERROR."""

@@ -6,10 +6,13 @@ carry token ids and counts only: target hidden states stay between the runner an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from refengine.kv.pool import SpecReservation
 from refengine.request import Request
-from refengine.runner.logits import TopK
+
+if TYPE_CHECKING:  # a runtime import would cycle (refengine.runner imports this module)
+    from refengine.runner.logits import TopK
 
 
 @dataclass
@@ -40,3 +43,45 @@ class StepResult:
                                                   # decode, every span row for verify)
     topk: list[list[TopK]] = field(default_factory=list)  # per scored row when the request asked for logprobs
     drafts: list[list[int]] = field(default_factory=list)  # verify: the span - 1 drafts each request proposed
+
+
+def scored_rows(plan: Plan, i: int) -> int:
+    """How many rows of request i of `plan` the runner scores: every prompt row (prompt_logprobs) or the
+    last, one for decode, the whole span for verify."""
+    req = plan.requests[i]
+    if isinstance(plan, PrefillPlan):
+        return len(req.prompt_ids) if req.params.prompt_logprobs else 1
+    return 1 if isinstance(plan, DecodePlan) else plan.spans[i]
+
+
+def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set[int]) -> None:
+    """Check a result against its plan before commit mutates anything (StepError naming the request and the
+    numbers): one argmax row per scored row, top-k rows for requests with logprobs, span - 1 drafts per
+    verify request, ids inside the vocabulary, staged features for every request that captures them."""
+    from refengine.errors import StepError
+
+    n = len(plan.requests)
+    if len(result.argmax) != n:
+        raise StepError(f"result has argmax for {len(result.argmax)} requests, the plan has {n}")
+    wants_topk = any(r.params.logprobs for r in plan.requests)
+    if wants_topk and len(result.topk) != n:
+        raise StepError(f"result has top-k for {len(result.topk)} requests, the plan has {n}")
+    if isinstance(plan, VerifyPlan) and len(result.drafts) != n:
+        raise StepError(f"result has drafts for {len(result.drafts)} requests, the verify plan has {n}")
+    for i, req in enumerate(plan.requests):
+        rows, rid = scored_rows(plan, i), req.request_id
+        if len(result.argmax[i]) != rows:
+            raise StepError(f"request {rid}: {len(result.argmax[i])} argmax rows, {rows} expected")
+        if wants_topk and req.params.logprobs and len(result.topk[i]) != rows:
+            raise StepError(f"request {rid}: {len(result.topk[i])} top-k rows, {rows} expected")
+        ids = list(result.argmax[i])
+        if isinstance(plan, VerifyPlan):
+            if len(result.drafts[i]) != rows - 1:
+                raise StepError(f"request {rid}: {len(result.drafts[i])} drafts for a span of {rows}")
+            ids += result.drafts[i]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise StepError(f"request {rid}: token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
+        captures = isinstance(plan, VerifyPlan) or (isinstance(plan, PrefillPlan) and plan.capture[i])
+        if captures and rid not in staged:
+            raise StepError(f"request {rid}: no drafter features were staged for its {rows}-row step")

@@ -20,7 +20,9 @@ class RequestStatus(enum.Enum):
 class FinishReason(enum.Enum):
     EOS = "eos"
     LENGTH = "length"
-    REJECTED = "rejected"
+    REJECTED = "rejected"    # never admitted (see RejectReason and the message)
+    ABORTED = "aborted"      # Engine.abort: the caller gave up on it
+    ERROR = "error"          # the steps it was part of failed (the message names the exception)
 
 
 class RejectReason(enum.Enum):
@@ -106,6 +108,7 @@ class Request:
     # Top-k per scored position: (ids, logprobs); prompt positions first when prompt_logprobs.
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
+    failed_steps: int = 0          # steps this request was part of that failed and were rolled back
 
     @property
     def finished(self) -> bool:

@@ -2,6 +2,14 @@
 
 Eligible (speculating) and ineligible requests take turns in separate plans, so one never switches
 speculation off for the other. Every KV reservation of a step is made here, before the runner executes.
+
+A step is a transaction (Engine.step). If executing a plan fails (the forward, the proposer, a malformed
+result) or admission fails (a drafter context cannot be allocated), rollback() undoes every change the plan
+made and the plan's requests are retried: admitted ones from the front of the waiting queue, running ones
+with their KV back at their committed length. A request in MAX_FAILED_STEPS failed steps finishes with
+FinishReason.ERROR and the exception in its message; requests outside the failed plan never notice. A
+failure inside commit (validated first, so only a refengine bug) cannot be undone: abandon() finishes the
+plan's unfinished requests with ERROR and frees what they hold, leaving every other request intact.
 """
 from __future__ import annotations
 
@@ -17,6 +25,8 @@ from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
+MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with FinishReason.ERROR (1 retry)
+
 
 class Scheduler:
     def __init__(self, pool: KvPool, proposer: Proposer | None, *, vocab_size: int, eos_ids: tuple[int, ...],
@@ -30,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._verify_turn = True
+        self._done: list[Request] = []
         self.policy = AdaptivePolicy(proposer.block_size) if speculation == "adaptive" and proposer else None
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()   # plan kind -> steps
@@ -78,6 +89,33 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def get(self, req_id: int) -> Request | None:
+        """The live (waiting or running) request with this id, or None."""
+        return next((r for r in (*self.running, *self.waiting) if r.request_id == req_id), None)
+
+    def _drop(self, req: Request) -> None:
+        """Take a request out of the queues and free everything held for it (KV blocks, lifetime promise,
+        drafter context, staged features). Idempotent; the caller sets its finish reason."""
+        self.waiting = deque(r for r in self.waiting if r is not req)
+        self.running = [r for r in self.running if r is not req]
+        self.pool.release(req.request_id)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
+        if self.policy is not None:
+            self.policy.release(req.request_id)
+        if self.acceptance_override is not None:
+            self.acceptance_override.release(req.request_id)
+
+    def abort(self, req_id: int, message: str) -> Request | None:
+        """Finish a live request at once with FinishReason.ABORTED, freeing what it holds; None if there is no
+        live request with this id (unknown or already finished). Between steps only."""
+        req = self.get(req_id)
+        if req is None:
+            return None
+        self._drop(req)
+        req.finish(FinishReason.ABORTED, message)
+        return req
+
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
         admitted: list[Request] = []
@@ -95,12 +133,16 @@ class Scheduler:
             admitted.append(req)
             tokens += len(req.prompt_ids)
         if admitted:
-            capture = [self.eligible(r) for r in admitted]
-            for r, c in zip(admitted, capture):
-                if c:
-                    self.active_proposer.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
+            plan = PrefillPlan(admitted, [self.eligible(r) for r in admitted])
+            try:
+                for r, c in zip(admitted, plan.capture):
+                    if c:
+                        self.active_proposer.start_request(r.request_id, len(r.prompt_ids) + r.params.max_tokens)
+            except Exception as e:  # e.g. out of memory for a drafter context: a failed step like any other
+                self.rollback(plan, e)
+                return None
             self.plan_counts["prefill"] += 1
-            return PrefillPlan(admitted, capture)
+            return plan
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
@@ -133,6 +175,7 @@ class Scheduler:
                 return
 
     def commit(self, plan: Plan, result: StepResult) -> None:
+        """Apply a result the engine validated (plan.validate_result) to requests, pool and proposer."""
         if isinstance(plan, PrefillPlan):
             for i, req in enumerate(plan.requests):
                 self.running.append(req)
@@ -161,9 +204,10 @@ class Scheduler:
                 self._append(req, vr.new_tokens)
             self.pool.revert_schedule(plan.reservation)
             self._observe_costs(plan)
-        self._retire_and_check()
+        self._retire_and_check(plan)
 
     def _observe_costs(self, plan: VerifyPlan) -> None:
+        """Feed the adaptive policy this verify step's shape and the runner's synchronised draft / verify time."""
         if self._timings is None:
             return
         now = (self._timings.get("draft_s", 0.0), self._timings.get("verify_s", 0.0))
@@ -173,33 +217,107 @@ class Scheduler:
             self.policy.observe_step(len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans),
                                      draft_s, verify_s)
 
-    def _retire_and_check(self) -> None:
-        keep = []
-        for req in self.running:
+    def _retire_and_check(self, plan: Plan) -> None:
+        """Release the plan's finished requests; the others' KV and drafter context must match what they
+        committed (IntegrityError / AlignmentError otherwise: a bug, which the engine turns into abandon())."""
+        for req in plan.requests:
             if req.finished:
-                self.pool.release(req.request_id)
-                if self.proposer is not None:
-                    self.proposer.release(req.request_id)
-                if self.policy is not None:
-                    self.policy.release(req.request_id)
-                if self.acceptance_override is not None:
-                    self.acceptance_override.release(req.request_id)
+                self._drop(req)
+                self._done.append(req)
+        for req in plan.requests:
+            if req.finished:
                 continue
-            keep.append(req)
             kv = self.pool.seq_len[req.request_id]
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
             if self.eligible(req) and self.active_proposer.context_rows(req.request_id) != kv:
                 raise AlignmentError(f"request {req.request_id}: drafter context rows "
                                      f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}")
-        self.running = keep
+
+    # ---- failure: undo a plan (see the module docstring for the policy) -----------------------------------
+    def take_done(self) -> list[Request]:
+        """Requests finished by the steps since the last call (committed, or failed), in order."""
+        done, self._done = self._done, []
+        return done
+
+    def rollback(self, plan: Plan, exc: BaseException, count: bool = True) -> None:
+        """Undo every change `plan` made, so the state is as if it had never been scheduled: plain KV extends
+        truncated, the speculative reservation reverted, staged features dropped, newly admitted requests
+        released (KV and drafter context) and put back at the front of the waiting queue in order. With
+        `count`, each request of the plan records a failed step; on its MAX_FAILED_STEPS-th, or when its KV
+        or drafter context no longer match its committed tokens, it finishes with FinishReason.ERROR."""
+        if self.proposer is not None:
+            self.proposer.discard_staged()
+        if isinstance(plan, PrefillPlan):
+            for r in plan.requests:
+                self.pool.release(r.request_id)
+                if self.proposer is not None:
+                    self.proposer.release(r.request_id)
+                r.status = RequestStatus.WAITING
+            self.waiting.extendleft(reversed(plan.requests))
+        elif isinstance(plan, DecodePlan):
+            for r in plan.requests:
+                self.pool.truncate(r.request_id, r.committed_len)
+        else:
+            self.pool.revert_schedule(plan.reservation)  # nothing applied: frees every block it allocated
+        if not count:
+            return
+        step = f"a {type(plan).__name__.removesuffix('Plan').lower()} step of {len(plan.requests)} requests"
+        for r in plan.requests:
+            r.failed_steps += 1
+            broken = None if isinstance(plan, PrefillPlan) else self._mismatch(r)
+            if r.failed_steps >= MAX_FAILED_STEPS or broken:
+                self._drop(r)
+                why = (f"its state could not be rolled back ({broken})" if broken else
+                       f"{r.failed_steps} steps it was part of failed (at most {MAX_FAILED_STEPS - 1} is retried)")
+                r.finish(FinishReason.ERROR, f"request {r.request_id}: {why}; the last, {step}, raised "
+                                             f"{type(exc).__name__}: {exc}")
+                self._done.append(r)
+
+    def _mismatch(self, req: Request) -> str | None:
+        kv = self.pool.seq_len.get(req.request_id)
+        if kv != req.committed_len:
+            return f"KV length {kv} != committed {req.committed_len}"
+        if self.eligible(req):
+            try:
+                rows = self.active_proposer.context_rows(req.request_id)
+            except Exception as e:
+                return f"drafter context unreadable: {type(e).__name__}: {e}"
+            if rows != kv:
+                return f"drafter context rows {rows} != committed KV length {kv}"
+        return None
+
+    def abandon(self, plan: Plan, exc: BaseException) -> None:
+        """A failure that cannot be undone (inside commit, or in rollback itself: a refengine bug). Every
+        request of the plan that has not finished finishes with FinishReason.ERROR and everything the plan's
+        requests hold is freed; requests outside the plan are untouched."""
+        if self.proposer is not None:
+            self.proposer.discard_staged()
+        done = {id(r) for r in self._done}
+        for r in plan.requests:
+            self._drop(r)
+            if not r.finished:
+                r.finish(FinishReason.ERROR, f"request {r.request_id}: internal error in a step of "
+                                             f"{len(plan.requests)} requests (a refengine bug, not retried): "
+                                             f"{type(exc).__name__}: {exc}")
+            if id(r) not in done:
+                self._done.append(r)
 
     def check_integrity(self) -> None:
-        """Scheduler, pool and proposer agree: every running request has a table covering exactly its
-        committed length, nothing is held for a request that is not running, and every speculating request's
-        drafter context matches its committed KV."""
+        """Scheduler, pool and proposer agree (between steps): each live request is queued once with the
+        matching status; every running request has a table covering exactly its committed length; nothing
+        (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
+        running, waiting ones included; every speculating request's drafter context matches its KV."""
         self.pool.check_integrity()
         running = {r.request_id: r for r in self.running}
+        waiting = {r.request_id: r for r in self.waiting}
+        if len(running) != len(self.running) or len(waiting) != len(self.waiting) or running.keys() & waiting:
+            raise IntegrityError(f"a request is queued twice: running {[r.request_id for r in self.running]}, "
+                                 f"waiting {[r.request_id for r in self.waiting]}")
+        for rid, req in (*running.items(), *waiting.items()):
+            want = RequestStatus.RUNNING if rid in running else RequestStatus.WAITING
+            if req.status is not want:
+                raise IntegrityError(f"request {rid} is {req.status.value} but queued as {want.value}")
         orphans = sorted(set(self.pool.live_requests()) - set(running))
         if orphans:
             raise IntegrityError(f"KV pool holds requests {orphans} that are not running")
@@ -213,6 +331,9 @@ class Scheduler:
                                      f"(exactly {need} expected between steps)")
         if self.proposer is not None:
             spec = {rid for rid, r in running.items() if self.eligible(r)}
+            staged = self.proposer.staged_requests()
+            if staged:
+                raise IntegrityError(f"proposer holds staged features for requests {sorted(staged)} between steps")
             live = self.proposer.live_requests()
             if live != spec:
                 raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")

@@ -60,6 +60,9 @@ class ReplayProposer:
     def discard_staged(self) -> None:
         self._staged.clear()
 
+    def staged_requests(self) -> set[int]:
+        return set(self._staged)
+
     def propose(self, items: list[DraftItem]) -> list[list[int]]:
         out = []
         for req_id, current, start, span in items:

@@ -32,7 +32,7 @@ class FlashInferPagedAttention:
                                dtype=torch.int32, device=self.pool.k[0].device)
         last = torch.tensor([(kv - 1) % page + 1 for kv in batch.kv_lens], dtype=torch.int32)
         self._wrapper.plan(qo_indptr, kv_indptr, indices, last, self.num_heads, self.num_kv_heads,
-                           self.head_dim, page, causal=True, q_data_type=self.pool.k[0].dtype,
+                           self.head_dim, page, causal=batch.causal, q_data_type=self.pool.k[0].dtype,
                            kv_data_type=self.pool.k[0].dtype)
 
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:

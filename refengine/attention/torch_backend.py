@@ -22,7 +22,8 @@ class TorchPagedAttention:
             pos = torch.arange(kv_len)
             slots = (torch.tensor(table, dtype=torch.int64)[pos // page] * page + pos % page).to(dev)
             q_pos = torch.arange(kv_len - q_len, kv_len)
-            mask = (pos[None, :] <= q_pos[:, None]).to(dev)  # [q, kv]: bottom-right causal
+            mask = (pos[None, :] <= q_pos[:, None]) if batch.causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+            mask = mask.to(dev)  # [q, kv]: bottom-right causal, or all keys
             self._plan.append((row, q_len, slots, mask))
             row += q_len
 

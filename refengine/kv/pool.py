@@ -22,10 +22,13 @@ class SpecReservation:
 
 class KvPool:
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, dummy_blocks: int = 1):
         self.page_size = page_size
         self.allocator = BlockAllocator(num_blocks)
-        shape = (num_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
+        # Pages past the allocator's range that no request owns: the padding rows of a graphed step write
+        # their K/V there and its padding requests attend to them.
+        self.dummy_blocks = list(range(num_blocks, num_blocks + dummy_blocks))
+        shape = (num_blocks + dummy_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seq_len: dict[int, int] = {}         # committed KV length per request
@@ -75,6 +78,16 @@ class KvPool:
         self._grow(req_id, self.seq_len[req_id] + n)
         self.seq_len[req_id] += n
 
+    def truncate(self, req_id: int, length: int) -> None:
+        """Undo plain extends (a failed step): the committed length goes back to `length` and blocks past it
+        return to the free list, last in first out."""
+        cur = self.seq_len[req_id]
+        if not 0 <= length <= cur:
+            raise KvAllocationError(f"request {req_id}: cannot truncate length {cur} to {length}")
+        self.seq_len[req_id] = length
+        surplus = len(self.allocator.table(req_id)) - blocks_for(length, self.page_size)
+        self.allocator.free_tail(req_id, max(surplus, 0))
+
     def slots(self, req_id: int, start: int, end: int) -> torch.Tensor:
         """Flat slot ids (block * page + offset) of positions [start, end) of a request."""
         table = torch.tensor(self.allocator.table(req_id), dtype=torch.int64)
@@ -118,6 +131,9 @@ class KvPool:
         tables = set(self.allocator.owners())
         if not tables <= set(self.seq_len):
             raise IntegrityError(f"block tables for requests {sorted(tables - set(self.seq_len))} that were released")
+        if set(self.lifetime_blocks) != set(self.seq_len):
+            raise IntegrityError(f"lifetime promises for requests {sorted(self.lifetime_blocks)}, "
+                                 f"live requests are {sorted(self.seq_len)}")
         for r, n in self.seq_len.items():
             have = len(self.allocator.table(r))
             if have < blocks_for(n, self.page_size):

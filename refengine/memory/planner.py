@@ -91,6 +91,7 @@ class KvBudgetPlan:
     effective_bytes_per_block: int
     num_blocks: int
     max_context_tokens: int
+    graph_pool_bytes: int = 0     # CUDA graphs' private pool and buffers (included in activation_peak_bytes)
     outside_torch_bytes: int = 0  # measured plans: device memory held outside torch's caching allocator
                                   # (CUDA context, other processes); turns torch's reserved peak into a
                                   # device-level peak and sets the allocator cap
@@ -147,7 +148,7 @@ def plan_kv_budget(device: DeviceMemory, *, target_config: ConfigSource | ModelC
                    margin_bytes: int = DEFAULT_KV_MARGIN_BYTES, page_size: int | None = None,
                    dtype_bytes: int = 2, max_context_tokens: int | None = None,
                    min_blocks: int = MIN_KV_BLOCKS, min_full_length_requests: int = 0,
-                   outside_torch_bytes: int = 0) -> KvBudgetPlan:
+                   outside_torch_bytes: int = 0, graph_pool_bytes: int = 0) -> KvBudgetPlan:
     """Size the KV pool (formula in the module docstring); `reservation=None` plans with DFlash off.
 
     `device.free_bytes` must be read with the target weights resident, as upstream profiles after loading;
@@ -197,7 +198,7 @@ def plan_kv_budget(device: DeviceMemory, *, target_config: ConfigSource | ModelC
         dflash_fixed_bytes=fixed, margin_bytes=margin, non_kv_bytes=non_kv, kv_budget_bytes=budget,
         page_size=page_size, bytes_per_block=bytes_per_block, dflash_bytes_per_token=per_token,
         effective_bytes_per_block=effective, num_blocks=affordable, max_context_tokens=max_context_tokens,
-        outside_torch_bytes=outside_torch_bytes)
+        outside_torch_bytes=outside_torch_bytes, graph_pool_bytes=graph_pool_bytes)
     if plan.max_full_length_requests < min_full_length_requests:
         raise KvBudgetError(
             f"KV pool of {plan.num_blocks} blocks holds {plan.max_full_length_requests} requests of "

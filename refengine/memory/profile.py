@@ -63,6 +63,31 @@ def _profile_forward(target: Qwen3Model, config: EngineConfig, capture: tuple[in
     return profile_activation_peak(step, str(target.device), temporary_kv_bytes=0).non_kv_peak_increase_bytes
 
 
+FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # each graph-mode wrapper's own device int workspace
+
+
+def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None,
+                     max_context: int) -> int:
+    """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
+    largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
+    dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
+    The drafter graph's temporaries are the lane's batch scratch, already in the DFlash reservation."""
+    from refengine.runner.graphs import batch_buckets
+    c, b = target.cfg, target.dtype.itemsize
+    span = draft_cfg.block_size if draft_cfg is not None else 1
+    taps = len(draft_cfg.target_layer_ids) if draft_cfg is not None else 0
+    buckets = batch_buckets(config.max_num_seqs)
+    per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
+    rows = sum(buckets) * (1 + (span if draft_cfg is not None else 0))  # decode + verify shapes
+    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))      # decode, verify, draft
+    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES
+    if draft_cfg is not None:
+        d = draft_cfg.model
+        static += sum(buckets) * span * (b * (2 * d.hidden_size + 2 * d.q_dim + d.kv_dim) + 4 * 8)
+    capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
+    return static + profile_step(target, config, capture, config.max_num_seqs * span, max_context)
+
+
 def plan_device_pool(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None,
                      max_context: int) -> KvBudgetPlan:
     """The KV plan for this device. Call it with the target resident and the drafter not yet loaded: the
@@ -78,8 +103,10 @@ def plan_device_pool(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     device = read_device_memory(dev)  # target resident, drafter not yet loaded, nothing cached
     capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
     activation = profile_step(target, config, capture, worst_case_rows(config, draft_cfg, max_context), max_context)
+    graphs = 0 if config.graph_mode_name == "eager" else graph_pool_bytes(target, config, draft_cfg, max_context)
     return plan_kv_budget(device, target_config=target.cfg, gpu_memory_utilization=config.gpu_memory_utilization,
-                          reservation=reservation, activation_peak_bytes=activation, page_size=config.page_size,
+                          reservation=reservation, activation_peak_bytes=activation + graphs,
+                          graph_pool_bytes=graphs, page_size=config.page_size,
                           dtype_bytes=dtype_bytes, max_context_tokens=max_context,
                           # what the device holds outside torch's allocator (CUDA context, other processes)
                           outside_torch_bytes=device.used_bytes - torch.cuda.memory_reserved(dev))

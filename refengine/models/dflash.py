@@ -3,6 +3,8 @@
 Context rows (target features at the tap layers) are fused by fc -> hidden_norm and injected as extra K/V in
 every layer (k_proj -> k_norm -> RoPE, v_proj). A block [current, MASK x (B-1)] attends non-causally over
 [context ; block]; rows 1..B-1 go through the final norm and the target's lm_head: same-position drafts.
+Context and block K/V live in a paged pool (refengine.kv.KvPool) of the drafter's own geometry, so one
+attention backend call serves a whole batch of requests (torch on the CPU, FlashInfer on CUDA).
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from refengine.attention.base import AttentionBackend, AttnBatch
 from refengine.config import DFlashConfig, read_config_json
-from refengine.errors import UnsupportedConfigError
+from refengine.kv.pool import KvPool
 from refengine.models.layers import DecoderLayerWeights, Rope, mlp_residual, project_qkv, rms_norm
 from refengine.models.loader import tensor_source
 from refengine.models.qwen3 import Qwen3Model
@@ -36,10 +39,6 @@ class DFlashDrafter:
         cfg = DFlashConfig.from_hf(read_config_json(path))
         cfg.check_fits(target.cfg)
         m = cfg.model
-        if m.head_dim != target.cfg.head_dim:
-            # not required by the maths, but every published pair shares it and the kernels assume it
-            raise UnsupportedConfigError(
-                f"drafter does not fit its target: head_dim {m.head_dim} != target {target.cfg.head_dim}")
         src = tensor_source(path, synthetic)
         dtype, device = target.dtype, target.device
         h, nf = m.hidden_size, len(cfg.target_layer_ids)
@@ -70,37 +69,24 @@ class DFlashDrafter:
             out.append((self.rope.apply(k, positions), v))
         return out
 
-    def draft_logits(self, block_tokens: torch.Tensor, positions: torch.Tensor,
-                     kv_buffers: list[list[tuple[torch.Tensor, torch.Tensor]]], ctx_lens: list[int],
+    def draft_logits(self, block_tokens: torch.Tensor, batch: AttnBatch, pool: KvPool, attention: AttentionBackend,
                      fp32: bool = True) -> torch.Tensor:
-        """N blocks of B rows. block_tokens/positions: [N*B]. kv_buffers[i][layer] = (K, V) buffers
-        [>= ctx_lens[i] + B, nkv, d] holding request i's context K/V in rows [0, ctx_lens[i]).
-
-        The block's own K/V are written into rows [ctx_len, ctx_len + B) of those buffers, so attention
-        reads one contiguous view with no copy; they are scratch (never part of the context): the next
-        committed context rows overwrite them. Dense ops run once over all N*B rows; only attention loops per
-        request. Returns logits [N, B-1, V] for block rows 1..B-1 (row j predicts position start + j), in
-        fp32 or (fp32=False, argmax without an fp32 copy of the largest buffer) in the model dtype."""
+        """N blocks of B rows: block_tokens [N*B] at batch.positions, each request's context K/V already in
+        `pool` at positions [0, start). The block's own K/V are written at batch.slots (positions
+        [start, start + B), the request's scratch rows past its context: the next committed context rows
+        overwrite them) and attention is non-causal over [context ; block] (batch.causal is False).
+        Dense ops run once over all N*B rows; attention is one backend call per layer. Returns logits
+        [N, B-1, V] for block rows 1..B-1 (row j predicts position start + j), in fp32 or (fp32=False,
+        argmax without an fp32 copy of the largest buffer) in the model dtype."""
         m, b = self.mcfg, self.cfg.block_size
         n = block_tokens.shape[0] // b
-        group = m.num_heads // m.num_kv_heads
+        attention.prepare(batch)
         h = self.embed_tokens[block_tokens]  # [N*B, H]
         for li, w in enumerate(self.layers):
-            q, kb, vb = project_qkv(w, rms_norm(h, w.input_norm, m.rms_norm_eps), m, self.rope, positions)
-            attn = torch.empty_like(q)  # [N*B, nh, d]
-            for i in range(n):
-                rows, end = slice(i * b, (i + 1) * b), ctx_lens[i] + b
-                kbuf, vbuf = kv_buffers[i][li]
-                kbuf[ctx_lens[i]:end] = kb[rows]
-                vbuf[ctx_lens[i]:end] = vb[rows]
-                # Non-causal, so rows are independent: fold each kv head's g query heads into its rows and
-                # run plain multi-head attention over [nkv, g*B, d] (GQA with no K/V expansion on any backend).
-                qg = q[rows].view(b, m.num_kv_heads, group, m.head_dim).permute(1, 2, 0, 3)
-                o = F.scaled_dot_product_attention(qg.reshape(m.num_kv_heads, group * b, m.head_dim),
-                                                   kbuf[:end].transpose(0, 1), vbuf[:end].transpose(0, 1))
-                attn[rows] = o.view(m.num_kv_heads, group, b, m.head_dim).permute(2, 0, 1, 3).reshape(
-                    b, m.num_heads, m.head_dim)
-            h = h + F.linear(attn.reshape(n * b, -1), w.o_proj)
+            q, kb, vb = project_qkv(w, rms_norm(h, w.input_norm, m.rms_norm_eps), m, self.rope, batch.positions)
+            pool.k[li].view(-1, m.num_kv_heads, m.head_dim)[batch.slots] = kb
+            pool.v[li].view(-1, m.num_kv_heads, m.head_dim)[batch.slots] = vb
+            h = h + F.linear(attention.attend(li, q).reshape(n * b, -1), w.o_proj)
             h = mlp_residual(w, h, m.rms_norm_eps)
         z = rms_norm(h.view(n, b, -1)[:, 1:], self.norm, m.rms_norm_eps)  # [N, B-1, H]
         logits = F.linear(z, self.lm_head)

@@ -10,6 +10,7 @@ from refengine.attention.base import AttentionBackend, AttnBatch
 from refengine.kv.pool import KvPool
 from refengine.models.qwen3 import Qwen3Model
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
+from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
@@ -18,9 +19,29 @@ Span = tuple[int, int, int]  # (req_id, start, q_len): rows at positions [start,
 
 class ModelRunner:
     def __init__(self, target: Qwen3Model, pool: KvPool, attention: AttentionBackend,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, graphs: dict[str, GraphRunner] | None = None):
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
+        self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0}
+
+    def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
+        """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
+        Returns the argmax of every real row per request, and stages the tap features when `capture`."""
+        runner = self.graphs.get(kind)
+        if runner is None or not runner.fits(steps):
+            return None
+        g = runner.run(steps)
+        total = sum(len(s.tokens) for s in steps)
+        argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
+        out, row = [], 0
+        taps = g.buffers.taps[:total].clone() if capture and g.buffers.taps is not None else None  # reused buffer
+        for s in steps:
+            n = len(s.tokens)
+            out.append(argmax[row:row + n])
+            if taps is not None and self.proposer is not None:
+                self.proposer.stage_features(s.req_id, s.start, taps[row:row + n])
+            row += n
+        return out
 
     def _batch(self, spans: list[Span]) -> AttnBatch:
         dev = self.target.device
@@ -75,6 +96,12 @@ class ModelRunner:
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
             reqs = plan.requests
+            graphed = None if any(r.params.logprobs for r in reqs) else self._replay(
+                "decode", [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1)
+                           for r in reqs], capture=False)
+            if graphed is not None:
+                self.timings["decode_s"] += time.perf_counter() - t0
+                return StepResult(graphed)
             spans = [(r.request_id, r.committed_len, 1) for r in reqs]
             a, t = self._run([[r.output_ids[-1]] for r in reqs], spans, [False] * len(reqs),
                              [range(1)] * len(reqs), [r.params.logprobs for r in reqs])
@@ -93,8 +120,16 @@ class ModelRunner:
         self._sync()
         t1 = time.perf_counter()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
-        a, _ = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
-        self._sync()
+        # every span 1 (adaptive chose plain decode for all): the one-row decode graph, which computes the
+        # same taps, instead of a verify graph padded to B rows per request
+        kind = "verify" if any(span > 1 for _, _, span in view) else "decode"
+        graphed = self._replay(kind, [StepRow(rid, start, toks, start + span)
+                                      for (rid, start, span), toks in zip(view, tokens)], capture=True)
+        if graphed is not None:
+            a = graphed
+        else:
+            a, _ = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
+            self._sync()
         t2 = time.perf_counter()
         self.timings["draft_s"] += t1 - t0
         self.timings["verify_s"] += t2 - t1

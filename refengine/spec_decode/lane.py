@@ -1,5 +1,9 @@
-"""The DFlash lane: each request's drafter context (cached context K/V per drafter layer, pending target
-features) and the batched propose. Hidden states never leave this file: the engine sees token spans only.
+"""The DFlash lane: each request's drafter context (context K/V in a paged pool of the drafter's geometry,
+pending target features) and the batched propose. Hidden states never leave the runner and this file: the
+engine sees token spans only.
+
+A request holds pool pages for capacity + B rows from start_request on (prompt + max_tokens context rows,
+plus B scratch rows where the block's own K/V are written each draft), so a draft never allocates.
 
 Invariant after every commit (checked before every draft): drafter context rows == committed target KV
 length == position of the current token. Violations raise AlignmentError at once (no silent clamping).
@@ -10,9 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from refengine.attention import make_backend
+from refengine.attention.base import AttentionBackend, AttnBatch
 from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
+from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
+from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
@@ -20,10 +28,8 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 
 @dataclass
 class DraftContext:
-    capacity: int                  # context rows it can hold (prompt + max_tokens)
-    k: list[torch.Tensor]          # per drafter layer: [capacity + B, nkv, d]; the B tail rows are block scratch
-    v: list[torch.Tensor]
-    length: int = 0                # context rows whose K/V are cached
+    capacity: int                  # context rows it can hold (prompt + max_tokens); pages for + B more
+    length: int = 0                # context rows whose K/V are in the pool
     pending: list[torch.Tensor] = field(default_factory=list)  # target features [rows, F*H], not yet projected
     pending_rows: int = 0
 
@@ -31,23 +37,37 @@ class DraftContext:
 class DFlashLane:
     """The DFlash Proposer (refengine.spec_decode.proposer)."""
 
-    def __init__(self, drafter: DFlashDrafter):
-        self.drafter = drafter
+    def __init__(self, drafter: DFlashDrafter, pool: KvPool, attention: AttentionBackend):
+        self.drafter, self.pool, self.attention = drafter, pool, attention
         self.block_size = drafter.cfg.block_size
         self.capture_layers = drafter.cfg.target_layer_ids
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
+        self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
+
+    @classmethod
+    def create(cls, drafter: DFlashDrafter, *, context_blocks: int, max_requests: int, page_size: int,
+               backend: str) -> DFlashLane:
+        """A lane whose pool holds `context_blocks` pages of context (the target pool's size: a request's
+        context never outgrows its KV) plus B scratch rows for each of `max_requests` live requests."""
+        m = drafter.mcfg
+        blocks = context_blocks + max_requests * blocks_for(drafter.cfg.block_size, page_size)
+        pool = KvPool(m.num_layers, blocks, page_size, m.num_kv_heads, m.head_dim, drafter.fc.dtype,
+                      drafter.fc.device, dummy_blocks=blocks_for(drafter.cfg.block_size, page_size))
+        return cls(drafter, pool, make_backend(backend, pool, m.num_heads, m.num_kv_heads, m.head_dim))
 
     def start_request(self, req_id: int, capacity: int) -> None:
-        m, d = self.drafter.mcfg, self.drafter.fc
-        shape = (capacity + self.block_size, m.num_kv_heads, m.head_dim)
-        self._ctx[req_id] = DraftContext(
-            capacity=capacity,
-            k=[torch.empty(shape, dtype=d.dtype, device=d.device) for _ in range(m.num_layers)],
-            v=[torch.empty(shape, dtype=d.dtype, device=d.device) for _ in range(m.num_layers)])
+        rows = capacity + self.block_size
+        if not self.pool.can_admit(rows):
+            raise AlignmentError(f"request {req_id}: the drafter pool cannot hold {rows} rows "
+                                 f"({self.pool.allocator.num_free} pages free): it is sized below the target's")
+        self.pool.admit(req_id, rows)
+        self.pool.extend(req_id, rows)  # every page up front: a draft never allocates
+        self._ctx[req_id] = DraftContext(capacity=capacity)
 
     def release(self, req_id: int) -> None:
-        self._ctx.pop(req_id, None)
+        if self._ctx.pop(req_id, None) is not None:
+            self.pool.release(req_id)
         self._staged.pop(req_id, None)
 
     def live_requests(self) -> set[int]:
@@ -58,10 +78,13 @@ class DFlashLane:
         return c.length + c.pending_rows
 
     def persistent_bytes(self) -> int:
-        """Bytes held for live requests: context K/V buffers plus pending target features."""
+        """Bytes held for live requests: their pool pages (context K/V and block scratch) plus pending
+        target features."""
+        k = self.pool.k[0]
+        page_bytes = 2 * len(self.pool.k) * k[0].numel() * k.element_size()
         total = 0
-        for c in self._ctx.values():
-            total += sum(t.numel() * t.element_size() for t in c.k + c.v)
+        for rid, c in self._ctx.items():
+            total += len(self.pool.table(rid)) * page_bytes
             total += sum(f.numel() * f.element_size() for f in c.pending)
         return total
 
@@ -89,6 +112,9 @@ class DFlashLane:
     def discard_staged(self) -> None:
         self._staged.clear()
 
+    def staged_requests(self) -> set[int]:
+        return set(self._staged)
+
     def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
         """Queue target features for positions [first_position, first_position + rows)."""
         c = self._ctx.get(req_id)
@@ -111,9 +137,10 @@ class DFlashLane:
 
         Rows go in chunks of at most FLUSH_ROWS so the transient (fc output, fp32 norm, per-layer K/V) stays
         bounded when many long prompts were prefilled before the first draft."""
-        chunk: list[tuple[DraftContext, int, torch.Tensor]] = []  # (context, first position, rows)
+        chunk: list[tuple[int, DraftContext, int, torch.Tensor]] = []  # (req, context, first position, rows)
         rows = 0
-        for c in (self._ctx[r] for r in req_ids):
+        for r in req_ids:
+            c = self._ctx[r]
             pos = c.length
             for f in c.pending:
                 for lo in range(0, f.shape[0], FLUSH_ROWS):
@@ -121,48 +148,60 @@ class DFlashLane:
                     if rows + part.shape[0] > FLUSH_ROWS:
                         self._project(chunk)
                         chunk, rows = [], 0
-                    chunk.append((c, pos, part))
+                    chunk.append((r, c, pos, part))
                     pos += part.shape[0]
                     rows += part.shape[0]
             c.pending, c.pending_rows = [], 0
         if chunk:
             self._project(chunk)
 
-    def _project(self, chunk: list[tuple[DraftContext, int, torch.Tensor]]) -> None:
-        feats = torch.cat([f for _, _, f in chunk])  # [R, F*H]
-        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, p, f in chunk]).to(feats.device)
-        kv = self.drafter.context_kv(feats, positions)
-        row = 0
-        for c, p, f in chunk:
-            n = f.shape[0]
-            for li, (k, v) in enumerate(kv):
-                c.k[li][p:p + n] = k[row:row + n]
-                c.v[li][p:p + n] = v[row:row + n]
-            c.length = p + n
-            row += n
+    def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]]) -> None:
+        feats = torch.cat([f for *_, f in chunk])  # [R, F*H]
+        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, _, p, f in chunk]).to(feats.device)
+        slots = torch.cat([self.pool.slots(r, p, p + f.shape[0]) for r, _, p, f in chunk]).to(feats.device)
+        m = self.drafter.mcfg
+        for li, (k, v) in enumerate(self.drafter.context_kv(feats, positions)):
+            self.pool.k[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = k
+            self.pool.v[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = v
+        for _, c, p, f in chunk:
+            c.length = p + f.shape[0]
 
-    @torch.inference_mode()
-    def propose(self, items: list[DraftItem]) -> list[list[int]]:
-        """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
-        a truncated span just uses fewer of its rows)."""
-        drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
-        return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
-
-    @torch.inference_mode()
-    def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
-        """The drafter's logits [N, B-1, V] for rows 1..B-1 of each request's block."""
-        req_ids = [r for r, *_ in items]
-        self._flush_pending(req_ids)
-        b, dev = self.block_size, self.drafter.fc.device
+    def _prepare(self, items: list[DraftItem]) -> None:
+        """Project pending context rows, then check every request's context ends right before its block."""
+        self._flush_pending([it.req_id for it in items])
         for r, _tok, start, span in items:
             if self._ctx[r].length != start:
                 raise AlignmentError(f"request {r}: drafter context has {self._ctx[r].length} rows, "
                                      f"current token is at position {start}")
-            if not 1 <= span <= b:
-                raise AlignmentError(f"request {r}: span {span} outside 1..{b}")
-        tokens = torch.tensor([[tok] + [self.drafter.cfg.mask_token_id] * (b - 1) for _, tok, _, _ in items],
-                              device=dev).view(-1)
-        positions = torch.cat([torch.arange(s, s + b) for _, _, s, _ in items]).to(dev)
-        ctxs = [self._ctx[r] for r in req_ids]
-        return self.drafter.draft_logits(tokens, positions, [list(zip(c.k, c.v)) for c in ctxs],
-                                         [c.length for c in ctxs], fp32=fp32)
+            if not 1 <= span <= self.block_size:
+                raise AlignmentError(f"request {r}: span {span} outside 1..{self.block_size}")
+
+    def _block(self, it: DraftItem) -> list[int]:
+        return [it.current_token] + [self.drafter.cfg.mask_token_id] * (self.block_size - 1)
+
+    @torch.inference_mode()
+    def propose(self, items: list[DraftItem]) -> list[list[int]]:
+        """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
+        a truncated span just uses fewer of its rows). From the draft graph when one fits, else eager."""
+        b = self.block_size
+        steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
+        if self.graph is not None and self.graph.fits(steps):
+            self._prepare(items)
+            g = self.graph.run(steps)
+            drafts = g.buffers.argmax.view(-1, b - 1)[:len(items)].tolist()
+        else:
+            drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
+        return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+
+    @torch.inference_mode()
+    def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
+        """The drafter's logits [N, B-1, V] for rows 1..B-1 of each request's block (eager)."""
+        self._prepare(items)
+        b, dev = self.block_size, self.drafter.fc.device
+        tokens = torch.tensor([self._block(it) for it in items], device=dev).view(-1)
+        batch = AttnBatch(q_lens=[b] * len(items), kv_lens=[it.start + b for it in items],
+                          block_tables=[self.pool.table(it.req_id) for it in items],
+                          slots=torch.cat([self.pool.slots(it.req_id, it.start, it.start + b) for it in items]).to(dev),
+                          positions=torch.cat([torch.arange(it.start, it.start + b) for it in items]).to(dev),
+                          causal=False)
+        return self.drafter.draft_logits(tokens, batch, self.pool, self.attention, fp32=fp32)

@@ -52,5 +52,8 @@ class Proposer(Protocol):
     def discard_staged(self) -> None:
         """Drop every staged row (a step that failed before its commit)."""
 
+    def staged_requests(self) -> set[int]:
+        """Requests with staged rows not yet committed (none between steps; check_integrity looks)."""
+
     def propose(self, items: list[DraftItem]) -> list[list[int]]:
         """span - 1 drafts per item, in item order."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from refengine import SamplingParams
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.golden.test_lossless import BUDGETS, B, _check_clean, _ignore_eos, _prompts
@@ -29,8 +31,8 @@ def test_lossless_adaptive_dflash_concurrent(model_pair):
     _check_clean(engine)
 
 
-def _adaptive_with(pair, proposer, prompts, budgets, choose=None):
-    engine = cpu_engine(pair.target, proposer=proposer, speculation="adaptive")
+def _adaptive_with(pair, proposer, prompts, budgets, choose=None, **kw):
+    engine = cpu_engine(pair.target, proposer=proposer, speculation="adaptive", **kw)
     if choose is not None:
         engine.scheduler.policy.choose = choose  # type: ignore[union-attr]
     plain = greedy(cpu_engine(pair.target), prompts, budgets, True)
@@ -58,13 +60,18 @@ def test_lossless_adaptive_oracle_and_garbage_proposers(random_pair):
     assert hist[1] > 0, f"garbage acceptance should make the policy fall back to span 1: spans {dict(hist)}"
 
 
-def test_lossless_adaptive_random_spans_every_step(random_pair):
+@pytest.mark.parametrize("graph_mode", ["eager", "full"])
+def test_lossless_adaptive_random_spans_every_step(random_pair, graph_mode):
+    """Random spans per request per step, and steps where every span is 1 (then the runner replays the
+    one-row decode graph, taps included, instead of a verify graph padded to B rows)."""
     rng = random.Random(7)
     prompts = _prompts(random_pair, 7, seed=8)
 
     def choose(req_ids, remaining):
+        if rng.random() < 0.3:
+            return [1] * len(req_ids)
         return [rng.randint(1, B) for _ in req_ids]
 
-    _, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS, choose)
+    _, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS, choose, graph_mode=graph_mode)
     spans = set().union(*(r.spec.span_hist for r in reqs))
     assert 1 in spans and len(spans) > 5, spans

@@ -1,0 +1,209 @@
+"""CUDA graphs for the steps whose shape repeats: plain decode, verify, and the drafter's block forward.
+
+A graph is captured per shape (kind, batch bucket, span): `bucket` requests of up to `span` rows each, i.e.
+bucket x span rows. A step of N <= bucket requests replays it: its real rows are packed first (in plan
+order), padding requests (one row each, or a whole block for the drafter) follow on the pool's dummy pages,
+and any rows left over are padding too. Dense segments are captured; attention is replayed from a
+FlashInfer CUDA-graph-mode wrapper re-planned on the host before every replay, either eagerly between the
+segments ("piecewise", the upstream design) or inside one graph ("full").
+
+The capture-shape rule: a graph is always captured at its key's full row count (bucket x span), never at
+the rows of the step that happened to trigger the capture. So a step whose spans were truncated by the
+budget replays a full-shape graph with padding (nothing is under-computed), and a longer step can never
+replay a graph captured short. `capture_shape_rule=False` (tests only) reproduces upstream's bug instead:
+capture at the first step's rows, replay every later step of that bucket with only those rows computed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from refengine.attention.base import AttnBatch
+from refengine.kv.pool import KvPool
+from refengine.models.segmented import SegmentedStack, StepState
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to max_batch (max_batch itself always included)."""
+    out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sorted(set(out + [max_batch]))
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One real request of a step: `tokens` fed at positions [start, start + len(tokens)), KV at `slots`."""
+    req_id: int
+    start: int
+    tokens: list[int]
+    kv_len: int               # keys the request attends: start + len(tokens) (verify) or start + B (draft)
+
+
+class Capturer:
+    """Records a callable as a CUDA graph on a private stream sharing one memory pool (replays are sequential).
+    The CPU fake (`Capturer(device='cpu')`) just calls it again on replay: the graph logic runs in CPU tests."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.captures = 0
+
+    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+        self.captures += 1
+        if not self.cuda:
+            return fn
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up outside capture: cuBLAS handles, lazy allocations, first-use initialisation
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            fn()
+        return graph.replay
+
+
+class StepGraph:
+    """One captured shape: persistent buffers, the attention for its batch, the replayable pieces."""
+
+    def __init__(self, stack: SegmentedStack, attention, bucket: int, span: int, rows: int, causal: bool,
+                 buffers: StepState):
+        self.stack, self.attention, self.bucket, self.span, self.causal = stack, attention, bucket, span, causal
+        self.rows = rows        # rows computed at replay (== bucket x span under the capture-shape rule)
+        self.buffers = buffers  # every row of the shape: results are read here (stale past `rows`, rule off)
+        self.state = buffers if rows == buffers.ids.shape[0] else buffers.head(rows)  # what the pieces compute
+        self.pieces: list[Callable[[], None]] = []
+
+    def layout(self, steps: list[StepRow], pool: KvPool) -> tuple[AttnBatch, torch.Tensor]:
+        """Pack the real rows, then the padding requests; returns the attention batch and a [3, rows] int64
+        (ids, positions, slots) for the persistent inputs."""
+        page, dummy = pool.page_size, pool.dummy_blocks
+        pad_rows = self.span if not self.causal else 1  # the drafter's blocks are always B rows
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        tables: list[list[int]] = []
+        for s in steps:
+            n = len(s.tokens)
+            ids += s.tokens
+            pos += range(s.start, s.start + n)
+            table = pool.table(s.req_id)
+            slots += [table[p // page] * page + p % page for p in range(s.start, s.start + n)]
+            q_lens.append(n)
+            kv_lens.append(s.kv_len)
+            tables.append(table)
+        for _ in range(self.bucket - len(steps)):
+            ids += [0] * pad_rows
+            pos += range(pad_rows)
+            slots += [dummy[p // page] * page + p % page for p in range(pad_rows)]
+            q_lens.append(pad_rows)
+            kv_lens.append(pad_rows)
+            tables.append(dummy)
+        if len(ids) > self.rows:
+            raise ValueError(f"step of {len(ids)} rows does not fit a graph of {self.rows}")
+        free = self.rows - len(ids)  # padding past the padding requests: not attended, written to a dummy slot
+        ids, pos, slots = ids + [0] * free, pos + [0] * free, slots + [dummy[0] * page] * free
+        batch = AttnBatch(q_lens, kv_lens, tables, torch.empty(0), torch.empty(0), causal=self.causal)
+        return batch, torch.tensor([ids, pos, slots], dtype=torch.long)
+
+    def replay(self, batch: AttnBatch, inputs: torch.Tensor) -> None:
+        st = self.state
+        st.ids.copy_(inputs[0], non_blocking=True)
+        st.positions.copy_(inputs[1], non_blocking=True)
+        st.slots.copy_(inputs[2], non_blocking=True)
+        self.attention.plan(batch)
+        for piece in self.pieces:
+            piece()
+
+
+class GraphRunner:
+    """Captured shapes of one model (`stack`) for one kind of step, by batch bucket."""
+
+    def __init__(self, stack: SegmentedStack, make_attention: Callable[[int], object], *, mode: str, span: int,
+                 max_batch: int, causal: bool, score: str, capturer: Capturer, capture_shape_rule: bool = True):
+        if mode not in ("piecewise", "full"):
+            raise ValueError(f"graph mode {mode!r}: a GraphRunner runs 'piecewise' or 'full'")
+        self.stack, self.make_attention, self.mode, self.span = stack, make_attention, mode, span
+        self.buckets, self.causal, self.score, self.capturer = batch_buckets(max_batch), causal, score, capturer
+        self.capture_shape_rule = capture_shape_rule
+        self.graphs: dict[int, StepGraph] = {}
+        self.replays = 0
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def fits(self, steps: list[StepRow]) -> bool:
+        return self.bucket_for(len(steps)) is not None and all(len(s.tokens) <= self.span for s in steps)
+
+    def _graph(self, bucket: int, rows_now: int) -> StepGraph:
+        g = self.graphs.get(bucket)
+        if g is not None:
+            return g
+        full = bucket * self.span
+        rows = full if self.capture_shape_rule else rows_now  # the rule: capture the key's full shape
+        buffers = self._state(bucket, full)
+        pool = self.stack.pool
+        buffers.slots.fill_(pool.dummy_blocks[0] * pool.page_size)  # the warm-up run must not touch a real slot
+        g = StepGraph(self.stack, self.make_attention(bucket), bucket, self.span, rows, self.causal, buffers)
+        # The first plan sees the most rows the graph will ever get (FlashInfer sizes its graph-mode work
+        # lists on it), all on the dummy pages, so the warm-up and capture runs touch no request's KV.
+        q_lens = [rows // bucket] * bucket
+        q_lens[0] += rows % bucket
+        g.attention.plan(AttnBatch(q_lens, q_lens, [pool.dummy_blocks] * bucket, torch.empty(0), torch.empty(0),
+                                   causal=self.causal))
+        g.pieces = self._capture(g)
+        self.graphs[bucket] = g
+        return g
+
+    def _state(self, bucket: int, rows: int) -> StepState:
+        w = self.stack.embed
+        if self.score == "all":
+            index = torch.arange(rows)
+        else:  # "block": rows 1..span-1 of each block (the drafter's predictions)
+            index = torch.tensor([i * self.span + j for i in range(bucket) for j in range(1, self.span)])
+        return StepState.allocate(self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device)
+
+    def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
+        st, stack, n = g.state, self.stack, len(self.stack.layers)
+
+        def seg(i: int) -> Callable[[], None]:
+            return lambda: stack.segment(i, st)
+
+        def attn(i: int) -> Callable[[], None]:
+            return lambda: g.attention.run(i, st.q, st.attn_out)
+        if self.mode == "full":
+            def whole() -> None:
+                for i in range(n):
+                    stack.segment(i, st)
+                    g.attention.run(i, st.q, st.attn_out)
+                stack.segment(n, st)
+            return [self.capturer.capture(whole)]
+        pieces: list[Callable[[], None]] = []
+        for i in range(n):
+            pieces += [self.capturer.capture(seg(i)), attn(i)]
+        return pieces + [self.capturer.capture(seg(n))]
+
+    def run(self, steps: list[StepRow]) -> StepGraph:
+        """Replay the graph of this step's bucket; read results from the returned graph's state."""
+        bucket = self.bucket_for(len(steps))
+        assert bucket is not None and self.fits(steps)
+        rows_now = sum(len(s.tokens) for s in steps) + (bucket - len(steps)) * (self.span if not self.causal else 1)
+        g = self._graph(bucket, rows_now)
+        if not self.capture_shape_rule and rows_now > g.rows:
+            steps = _truncate(steps, g.rows - (bucket - len(steps)))  # upstream's bug: too few rows computed
+        batch, inputs = g.layout(steps, self.stack.pool)
+        g.replay(batch, inputs)
+        self.replays += 1
+        return g
+
+
+def _truncate(steps: list[StepRow], rows: int) -> list[StepRow]:
+    out = []
+    for s in steps:
+        keep = max(min(len(s.tokens), rows), 1)
+        rows -= keep
+        out.append(StepRow(s.req_id, s.start, s.tokens[:keep], s.kv_len - (len(s.tokens) - keep)))
+    return out

@@ -1,0 +1,92 @@
+"""The graph runner's logic on the CPU, with the fake capturer (replay = call the captured pieces again) and
+the torch kernels: batch buckets, packing a step into a bucket (real rows first, padding on the dummy pages),
+every graph mode lossless against eager greedy with heterogeneous budgets and staggered arrivals, and the
+capture-shape rule: a verify graph first captured by a short (budget-truncated) step must still serve a long
+one; with the rule switched off (test-only) the same run diverges, as upstream's engine did.
+
+Run: pytest tests/unit/test_graphs.py        (the same checks on CUDA: tests/gpu/test_gpu_graphs.py)
+"""
+from __future__ import annotations
+
+import pytest
+
+from refengine import SamplingParams
+from refengine.runner.graphs import StepRow, batch_buckets
+from tests.adapter import assert_same_tokens, cpu_engine, greedy
+
+B = 16
+
+
+def test_batch_buckets_cover_every_batch_size():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    for n in range(1, 65):
+        assert min(b for b in batch_buckets(64) if b >= n) - n < 8
+
+
+def test_layout_packs_real_rows_then_padding_on_dummy_pages(random_pair):
+    engine = cpu_engine(random_pair.target, random_pair.draft, graph_mode="piecewise", max_num_seqs=4)
+    reqs = [engine.add_request([3] * n, SamplingParams(max_tokens=20, ignore_eos=True)) for n in (5, 17)]
+    engine.step()  # prefill both
+    verify = engine.runner.graphs["verify"]
+    g = verify._graph(4, 4 * B)
+    steps = [StepRow(r.request_id, r.committed_len, [1] * s, r.committed_len + s) for r, s in zip(reqs, (B, 3))]
+    for r, s in zip(reqs, (B, 3)):
+        engine.pool.extend(r.request_id, s)  # reserve the span's slots, as schedule_speculative does
+    batch, inputs = g.layout(steps, engine.pool)
+    pool, page = engine.pool, engine.pool.page_size
+    dummy = {d * page + o for d in pool.dummy_blocks for o in range(page)}
+    assert batch.q_lens == [B, 3, 1, 1] and batch.kv_lens == [5 + B, 17 + 3, 1, 1]
+    assert batch.block_tables[2:] == [pool.dummy_blocks] * 2
+    real = B + 3
+    assert inputs[2, :real].tolist() == pool.slots(reqs[0].request_id, 5, 5 + B).tolist() + \
+        pool.slots(reqs[1].request_id, 17, 20).tolist()
+    assert set(inputs[2, real:].tolist()) <= dummy, "padding rows must write only to the dummy pages"
+    assert inputs.shape[1] == 4 * B
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_graph_modes_lossless_staggered_budgets(model_pair, mode):
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([1, 5, 16, 17, 33, 40])]
+    budgets = [1, B - 1, B, B + 1, 2, 40]
+    want = greedy(cpu_engine(model_pair.target), prompts, budgets)
+    for draft in (None, model_pair.draft):
+        engine = cpu_engine(model_pair.target, draft, graph_mode=mode, max_num_seqs=8)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+                for p, m in zip(prompts[:3], budgets[:3])]
+        engine.step()
+        reqs += [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))  # arrive mid-run
+                 for p, m in zip(prompts[3:], budgets[3:])]
+        while engine.has_work():
+            engine.step()
+            engine.check_integrity()
+        for i, (r, w) in enumerate(zip(reqs, want)):
+            assert_same_tokens(r.output_ids, w, f"{mode} {'dflash' if draft else 'plain'} request {i}")
+        replays = {k: v.replays for k, v in engine.runner.graphs.items()}
+        assert replays["decode" if draft is None else "verify"] > 0, f"no graph replayed: {replays}"
+        if draft is not None:
+            assert engine.proposer.graph.replays > 0
+
+
+def _short_then_long(pair, mode: str, rule: bool) -> tuple[list[list[int]], list[list[int]]]:
+    prompts, budgets = [[5, 7, 9], [11, 12, 13, 14]], [4, 40]
+    want = [greedy(cpu_engine(pair.target), [p], m)[0] for p, m in zip(prompts, budgets)]
+    engine = cpu_engine(pair.target, pair.draft, graph_mode=mode, max_num_seqs=4)
+    engine.runner.graphs["verify"].capture_shape_rule = rule  # test-only switch
+    got = [greedy(engine, [p], m)[0] for p, m in zip(prompts, budgets)]  # the short one captures bucket 1 first
+    return got, want
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_short_then_long_verify_capture_is_lossless(model_pair, mode):
+    got, want = _short_then_long(model_pair, mode, rule=True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tokens(g, w, f"{mode}: request {i} (short first, then long, one engine)")
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_short_then_long_capture_breaks_without_the_rule(trained_pair, mode):
+    got, want = _short_then_long(trained_pair, mode, rule=False)
+    assert got[0] == want[0], "the short request itself is computed in full"
+    assert got[1] != want[1], "with the capture-shape rule off, the long request must replay a short graph and diverge"
