@@ -8,14 +8,15 @@ Model (all online, with priors):
   accepting m drafts s_i <- DECAY*s_i + m and f_i <- DECAY*f_i + [m < S-1] (a rejection was seen). The
   expected tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
 - cost: a verify step of N requests and R total rows costs V(N, R) = v0 + v1*N + v2*R seconds; a draft step
-  for M requests D(M) = d0 + d1*M (0 when M = 0). Both are fitted by recursive least squares (forgetting
-  factor FORGET) on the runner's GPU-synchronised timings, starting from priors. A step where every span is 1
-  runs no draft: it is a plain decode step (plus the tap-layer features the drafter context needs), so the
-  plain curve is V(N, N).
+  for M requests D(M) = d0 + d1*M (0 when M = 0); a step where every span is 1 runs no draft and is a plain
+  decode step (the runner replays the one-row decode graph, taps included), P(N) = p0 + p1*N. P is its own
+  curve because on the GPU a verify graph is padded to B rows per request, so V is not continuous down to
+  R = N. All three are fitted by recursive least squares (forgetting factor FORGET) on the runner's
+  GPU-synchronised timings, starting from priors.
 - decision: for each cap S in 2..B, every request gets s_i = min(S, remaining_i); requests are then switched to
   span 1 lowest gain first (k = 0..K), and the choice maximising
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, sum_i s_i))
-  wins; k = K is plain decode, so a spec choice is only taken when its predicted rate beats plain's.
+  wins against plain decode's N / P(N), so a spec choice is only taken when its predicted rate beats plain's.
 - exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
   curve and the acceptance estimates stay measured; the interval doubles (8 .. 256) while the choice is
   confirmed and drops back to 8 when it flips.
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 DECAY = 0.9
 FORGET = 0.98
 MIN_EXPLORE, MAX_EXPLORE = 8, 256
+PRIOR_VAR = 100.0
 
 
 class _Rls:
@@ -55,27 +57,38 @@ class _Rls:
 
 @dataclass
 class CostModel:
-    """V(N, R) and D(M) in seconds. Priors: a memory-bound step (fixed cost dominates), drafts cheaper."""
-    verify: _Rls = field(default_factory=lambda: _Rls([5e-3, 5e-5, 2e-5], 1e-4))
-    draft: _Rls = field(default_factory=lambda: _Rls([2e-3, 1e-4], 1e-4))
+    """V(N, R), D(M), P(N), fitted in milliseconds (RLS assumes unit noise: ~1 ms), read in seconds. Priors:
+    a memory-bound step (the fixed cost dominates), drafts cheaper; prior variance PRIOR_VAR ms^2."""
+    verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], PRIOR_VAR))
+    draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], PRIOR_VAR))
+    plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], PRIOR_VAR))
 
     @classmethod
-    def linear(cls, v0: float, v1: float, v2: float, d0: float, d1: float) -> CostModel:
-        """A fixed model (tests, calibration results)."""
+    def linear(cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None,
+               p1: float | None = None) -> CostModel:
+        """A fixed model (tests, calibration results); plain decode defaults to V(N, N)."""
         m = cls()
-        m.verify.theta, m.draft.theta = [v0, v1, v2], [d0, d1]
+        p0, p1 = v0 if p0 is None else p0, v1 + v2 if p1 is None else p1
+        m.verify.theta, m.draft.theta, m.plain.theta = [v0 * 1e3, v1 * 1e3, v2 * 1e3], [d0 * 1e3, d1 * 1e3], [
+            p0 * 1e3, p1 * 1e3]
         return m
 
+    def plain_s(self, n: int) -> float:
+        return max(self.plain.predict([1.0, n]), 1e-3) * 1e-3
+
     def verify_s(self, n: int, rows: int) -> float:
-        return max(self.verify.predict([1.0, n, rows]), 1e-6)
+        return max(self.verify.predict([1.0, n, rows]), 1e-3) * 1e-3
 
     def draft_s(self, m: int) -> float:
-        return max(self.draft.predict([1.0, m]), 0.0) if m else 0.0
+        return max(self.draft.predict([1.0, m]), 0.0) * 1e-3 if m else 0.0
 
     def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        self.verify.update([1.0, n, rows], verify_s)
+        if not drafted and rows == n:
+            self.plain.update([1.0, n], verify_s * 1e3)
+            return
+        self.verify.update([1.0, n, rows], verify_s * 1e3)
         if drafted:
-            self.draft.update([1.0, drafted], draft_s)
+            self.draft.update([1.0, drafted], draft_s * 1e3)
 
 
 def expected_tokens(alpha: float, span: int) -> float:
@@ -97,7 +110,7 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
     Requests are switched to span 1 lowest acceptance first (for a common span the gain E(S) - 1 rises with
     the acceptance). O(B * N) arithmetic: well under a millisecond at N = 32, B = 16."""
     n = len(alphas)
-    plain_rate = n / cost.verify_s(n, n)
+    plain_rate = n / cost.plain_s(n)
     best = Decision([1] * n, plain_rate, plain_rate, 1)
     order = sorted(range(n), key=lambda i: alphas[i])
     # cum[i][s] = E_i(s) for s = 0..block (E(0) = 0)
@@ -110,7 +123,7 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
             term *= a
         cum.append(row)
     draft_cost = [cost.draft_s(m) for m in range(n + 1)]
-    v0, v1, v2 = cost.verify.theta
+    v0, v1, v2 = (t * 1e-3 for t in cost.verify.theta)
     v_fixed = v0 + v1 * n
     best_rate, best_k, best_cap = plain_rate * (1 + 1e-9), 0, 1
     for cap in range(2, block + 1):
@@ -194,13 +207,15 @@ class AdaptivePolicy:
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
-        v, d = self.cost.verify.theta, self.cost.draft.theta
+        v, d, p = ([t * 1e-3 for t in m.theta] for m in (self.cost.verify, self.cost.draft, self.cost.plain))
         return {"decisions": self.steps - self._decisions_before, "explored": self.explored,
                 "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
                 "verify_ms_model": {"per_step": round(v[0] * 1e3, 4), "per_request": round(v[1] * 1e3, 5),
                                     "per_row": round(v[2] * 1e3, 5), "fits": self.cost.verify.updates},
                 "draft_ms_model": {"per_step": round(d[0] * 1e3, 4), "per_request": round(d[1] * 1e3, 5),
                                    "fits": self.cost.draft.updates},
+                "plain_ms_model": {"per_step": round(p[0] * 1e3, 4), "per_request": round(p[1] * 1e3, 5),
+                                   "fits": self.cost.plain.updates},
                 "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
                 "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
                 "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None

@@ -96,3 +96,19 @@ def test_engine_config_refuses_profiles_and_bad_speculation():
     with pytest.raises(UnsupportedConfigError, match="speculation"):
         EngineConfig("x", speculation="sometimes")
     assert EngineConfig("x", speculation="adaptive").speculation == "adaptive"
+
+
+def test_padded_verify_graph_costs():
+    # CUDA-graph-like costs: a verify step costs the same whatever its rows (padded to B per request), plain
+    # decode (every span 1, the one-row decode graph) is cheaper. Low acceptance -> plain; high -> full span.
+    graph = CostModel.linear(12e-3, 1e-4, 0.0, 2e-3, 5e-5, p0=8e-3, p1=5e-5)
+    assert choose_spans([_alpha_for_tau(1.3)] * 32, [128] * 32, B, graph).spans == [1] * 32
+    assert choose_spans([_alpha_for_tau(6.5)], [128], B, graph).spans == [B]
+
+
+def test_plain_steps_feed_the_plain_curve():
+    m = CostModel()
+    for _ in range(30):
+        m.observe(8, 8, 0, 0.0, 4e-3)          # all span 1: plain decode
+        m.observe(8, 128, 8, 2e-3, 9e-3)       # full spans
+    assert abs(m.plain_s(8) - 4e-3) < 5e-4 and abs(m.verify_s(8, 128) - 9e-3) < 5e-4, (m.plain.theta, m.verify.theta)
