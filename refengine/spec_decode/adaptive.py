@@ -28,17 +28,19 @@ from dataclasses import dataclass, field
 
 DECAY = 0.9
 FORGET = 0.98
-MIN_EXPLORE, MAX_EXPLORE = 8, 256
-PRIOR_VAR = 100.0
+MIN_EXPLORE, MAX_EXPLORE = 8, 128
+# Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
+# the intercept is free to move and the slopes move slowly unless the data insist.
+VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
 
 
 class _Rls:
     """Recursive least squares y ~ theta . x with forgetting, in plain Python (dimension 2 or 3)."""
 
-    def __init__(self, theta: list[float], variance: float):
+    def __init__(self, theta: list[float], variances: list[float]):
         n = len(theta)
         self.theta = list(theta)
-        self.p = [[variance if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.p = [[variances[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
         self.updates = 0
 
     def predict(self, x: list[float]) -> float:
@@ -58,10 +60,10 @@ class _Rls:
 @dataclass
 class CostModel:
     """V(N, R), D(M), P(N), fitted in milliseconds (RLS assumes unit noise: ~1 ms), read in seconds. Priors:
-    a memory-bound step (the fixed cost dominates), drafts cheaper; prior variance PRIOR_VAR ms^2."""
-    verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], PRIOR_VAR))
-    draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], PRIOR_VAR))
-    plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], PRIOR_VAR))
+    a memory-bound step (the fixed cost dominates), drafts cheaper."""
+    verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
+    draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
+    plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
 
     @classmethod
     def linear(cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None,
@@ -191,6 +193,14 @@ class AdaptivePolicy:
             return [max(1, min(self.block_size, r)) for r in remaining] if try_spec else [1] * len(req_ids)
         self.caps[d.cap] += 1
         self.last = d
+        fresh = [i for i, r in enumerate(req_ids) if r not in self.counts and remaining[i] > 1]
+        if any(d.spans[i] == 1 for i in fresh):
+            # a request with no acceptance evidence yet drafts a full block once, so it gets some
+            spans = list(d.spans)
+            for i in fresh:
+                spans[i] = min(self.block_size, remaining[i])
+            self.explored += 1
+            return spans
         return d.spans
 
     def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
