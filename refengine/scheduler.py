@@ -190,10 +190,12 @@ class Scheduler:
                     req.topk.extend(result.topk[i])
                 self._append(req, [result.argmax[i][-1]])
         else:
-            forced = ([self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
-                      if self.acceptance_override is not None else None)
-            results = build_verify_results(result.drafts, result.argmax, self.eos_ids,
-                                           [r.params.ignore_eos for r in plan.requests], forced)
+            ignore = [r.params.ignore_eos for r in plan.requests]
+            if self.acceptance_override is None:
+                results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore)
+            else:  # benchmark-only (refengine bench --acceptance-profile): m drawn from the profile
+                forced = [self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
+                results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore, accepted=forced)
             for (req_id, start, span), req, vr in zip(self.pool.speculative_view(plan.reservation),
                                                       plan.requests, results):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)

@@ -18,8 +18,8 @@ Model (all online, with priors):
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, sum_i s_i))
   wins against plain decode's N / P(N), so a spec choice is only taken when its predicted rate beats plain's.
 - exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
-  curve and the acceptance estimates stay measured; the interval doubles (8 .. 256) while the choice is
-  confirmed and drops back to 8 when it flips.
+  curve and the acceptance estimates stay measured; the interval doubles (8 .. 128) while the choice is
+  confirmed and drops back to 8 when it flips. A request with no acceptance evidence drafts a full block once.
 """
 from __future__ import annotations
 
