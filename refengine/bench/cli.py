@@ -51,7 +51,7 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
           prompt_len: int, output_tokens: int, repeats: int = 3, modes: tuple[str, ...] = MODES,
           profiles: list[str] | None = None, prompts: str = "random", peer: str | None = None,
           peer_compile: bool = False, max_model_len: int | None = None, seed: int = 0,
-          profile_ops: bool = False) -> dict[str, Any]:
+          profile_ops: bool = False, graph_mode: str | None = None) -> dict[str, Any]:
     from tqdm import tqdm
 
     if draft is None:
@@ -73,11 +73,11 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
         first = passes[mode][0]
         engine = engine_for(mode, target, draft, device=device, synthetic=synthetic, max_num_seqs=max(concurrency),
                             max_model_len=max_model_len or prompt_len + output_tokens + 16,
-                            override=AcceptanceOverride(first, seed) if first else None)
+                            override=AcceptanceOverride(first, seed) if first else None, graph_mode=graph_mode)
         tbytes = target_weight_bytes(engine.target)
         floor, vocab = bandwidth / tbytes, engine.target.cfg.vocab_size
         own_bytes = tbytes + (drafter_weight_bytes(engine.drafter) if engine.drafter is not None else 0)
-        results.update(target_weight_bytes=tbytes)
+        results.update(target_weight_bytes=tbytes, graph_mode=engine.config.graph_mode_name)
         if engine.drafter is not None:
             results.update(drafter_weight_bytes=own_bytes - tbytes)
         for prof in passes[mode]:
@@ -157,6 +157,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="engine context cap (default prompt-len + output-tokens + 16)")
+    p.add_argument("--graph-mode", choices=["eager", "piecewise", "full"], default=None,
+                   help="CUDA graphs for decode / verify / draft (default: full on CUDA, eager on the CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
@@ -189,7 +191,8 @@ def _cmd(args) -> int:
                 concurrency=_ints(args.concurrency, "--concurrency"), prompt_len=args.prompt_len,
                 output_tokens=args.output_tokens, repeats=args.repeats, modes=modes, profiles=profiles,
                 prompts=args.prompts, peer=args.peer, peer_compile=args.peer_compile,
-                max_model_len=args.max_model_len, seed=args.seed, profile_ops=args.profile)
+                max_model_len=args.max_model_len, seed=args.seed, profile_ops=args.profile,
+                graph_mode=args.graph_mode)
     print_table(res["rows"], f"refengine bench: {target} ({device}, {args.prompts} prompts, "
                              f"{args.output_tokens} new tokens, median of {args.repeats})")
     text = json.dumps(res)

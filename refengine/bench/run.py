@@ -139,12 +139,12 @@ def measure_row(engine, mode: str, acceptance: str, prompts: list[list[int]], ou
 
 
 def engine_for(mode: str, target: str, draft: str | None, *, device: str, synthetic: bool, max_num_seqs: int,
-               max_model_len: int, override: AcceptanceOverride | None):
+               max_model_len: int, override: AcceptanceOverride | None, graph_mode: str | None = None):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     cfg = EngineConfig(target, draft_path=draft if mode != "plain" else None, device=device,
                        synthetic_weights=synthetic, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       speculation="adaptive" if mode == "adaptive" else "fixed")
+                       speculation="adaptive" if mode == "adaptive" else "fixed", graph_mode=graph_mode)
     return Engine(cfg, acceptance_override=override if mode != "plain" else None)
 
 
