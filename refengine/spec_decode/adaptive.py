@@ -18,8 +18,8 @@ Model (all online, with priors):
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, sum_i s_i))
   wins against plain decode's N / P(N), so a spec choice is only taken when its predicted rate beats plain's.
 - exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
-  curve and the acceptance estimates stay measured; the interval doubles (8 .. 128) while the choice is
-  confirmed and drops back to 8 when it flips. A request with no acceptance evidence drafts a full block once.
+  curve and the acceptance estimates stay measured; the interval doubles (16 .. 128) while the choice is
+  confirmed and drops back to 16 when it flips. A request with no acceptance evidence drafts a full block once.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 DECAY = 0.9
 FORGET = 0.98
-MIN_EXPLORE, MAX_EXPLORE = 8, 128
+MIN_EXPLORE, MAX_EXPLORE = 16, 128
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
