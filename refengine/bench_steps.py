@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refengine.bench import _weights, measure_copy_bandwidth
+from refengine.bench.run import measure_copy_bandwidth, target_weight_bytes
 from refengine.config import EngineConfig
 from refengine.request import SamplingParams
 
@@ -64,7 +64,7 @@ def run(target: str, draft: str | None, *, synthetic: bool, modes: list[str], ba
                                          synthetic_weights=synthetic, graph_mode=mode, max_num_seqs=max(batches),
                                          gpu_memory_utilization=0.5,  # step times need no large pool
                                          max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32))
-            weight_bytes = sum(t.numel() * t.element_size() for t in _weights(engine.target))
+            weight_bytes = target_weight_bytes(engine.target)
             floor_ms = weight_bytes / bandwidth * 1e3
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)

@@ -177,6 +177,9 @@ def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None, max_mo
     return min(limit, max_model_len or limit)
 
 
+SPECULATION_MODES = ("fixed", "adaptive")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """User knobs. `device` 'cpu' runs fp32 with the torch attention backend; 'cuda' bf16 with FlashInfer."""
@@ -199,6 +202,12 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_prefill_tokens: int = 8192
     speculative: bool = True              # use the drafter when one is given
+    # "fixed": every verify span is min(B, remaining); "adaptive": refengine.spec_decode.adaptive picks each
+    # request's span (1..B) per step from measured step costs and its acceptance (greedy output unchanged)
+    speculation: str = "fixed"
+    # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
+    # `refengine bench --acceptance-profile` enables them. Any value is refused.
+    acceptance_profile: str | None = None
     # CUDA graphs for decode, verify and draft steps: "eager" (none), "piecewise" (dense segments captured,
     # attention eager between them) or "full" (attention inside the graph, re-planned before each replay).
     # Default: "full" on CUDA, "eager" on the CPU (where graph modes run with a fake capturer, for tests).
@@ -223,6 +232,12 @@ class EngineConfig:
             raise UnsupportedConfigError(f"memory_accounting={self.memory_accounting!r}: use 'upstream' or 'lane'")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
+        if self.speculation not in SPECULATION_MODES:
+            raise UnsupportedConfigError(f"speculation={self.speculation!r}: use one of {SPECULATION_MODES}")
+        if self.acceptance_profile is not None:
+            raise UnsupportedConfigError(
+                f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "
+                "(outputs are not greedy-exact); use `refengine bench --acceptance-profile NAME`")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
 

@@ -23,6 +23,7 @@ from refengine.runner.graphs import Capturer, GraphRunner
 from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.lane import DFlashLane
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_token_ids
@@ -39,9 +40,13 @@ class ScoredSequence:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, proposer: Proposer | None = None):
+    def __init__(self, config: EngineConfig, *, proposer: Proposer | None = None,
+                 acceptance_override: AcceptanceOverride | None = None):
         """`proposer` replaces the DFlash lane (the test proposers use it); by default a drafter given in
-        `config.draft_path` is loaded and speculates when `config.speculative`."""
+        `config.draft_path` is loaded and speculates when `config.speculative`. `acceptance_override` is
+        benchmark-only: `refengine bench --acceptance-profile` passes it (outputs stop being greedy-exact)."""
+        if acceptance_override is not None and not isinstance(acceptance_override, AcceptanceOverride):
+            raise UnsupportedConfigError("acceptance_override must be an AcceptanceOverride (refengine bench)")
         self.config = config
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
@@ -70,8 +75,10 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size,
                                    eos_ids=read_stop_ids(config.target_path, tcfg),
                                    max_context=self.max_context, max_num_seqs=config.max_num_seqs,
-                                   max_prefill_tokens=config.max_prefill_tokens)
+                                   max_prefill_tokens=config.max_prefill_tokens,
+                                   speculation=config.speculation, acceptance_override=acceptance_override)
         self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs())
+        self.scheduler.bind_timings(self.runner.timings)
         self._ids = itertools.count()
         self.finished: list[Request] = []
 

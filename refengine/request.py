@@ -72,6 +72,7 @@ class SpecStats:
     committed_tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
     committed_per_step: list[int] = field(default_factory=list)  # per request: tokens committed by each verify
+    span_hist: Counter = field(default_factory=Counter)      # verify span chosen (adaptive: 1..B) -> steps
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -79,16 +80,19 @@ class SpecStats:
     def tau(self) -> float:
         return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
 
-    def record(self, committed: int) -> None:
+    def record(self, committed: int, span: int | None = None) -> None:
         self.verify_steps += 1
         self.committed_tokens += committed
         self.accepted_hist[committed] += 1
         self.committed_per_step.append(committed)
+        if span is not None:
+            self.span_hist[span] += 1
 
     def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps
         self.committed_tokens += other.committed_tokens
         self.accepted_hist.update(other.accepted_hist)
+        self.span_hist.update(other.span_hist)
         self.draft_s += other.draft_s
         self.verify_s += other.verify_s
 

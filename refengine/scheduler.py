@@ -13,13 +13,15 @@ plan's unfinished requests with ERROR and frees what they hold, leaving every ot
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from refengine.errors import AlignmentError, IntegrityError, InvalidRequestError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.request import FinishReason, RejectReason, Request, RequestStatus
 from refengine.spec_decode.accept import build_verify_results
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride
+from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
@@ -28,7 +30,10 @@ MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with Finish
 
 class Scheduler:
     def __init__(self, pool: KvPool, proposer: Proposer | None, *, vocab_size: int, eos_ids: tuple[int, ...],
-                 max_context: int, max_num_seqs: int, max_prefill_tokens: int):
+                 max_context: int, max_num_seqs: int, max_prefill_tokens: int, speculation: str = "fixed",
+                 acceptance_override: AcceptanceOverride | None = None):
+        """`speculation="adaptive"`: an AdaptivePolicy picks each verify span. `acceptance_override`:
+        benchmark-only (refengine.bench passes it; EngineConfig cannot), replaces accept_greedy's m."""
         self.pool, self.proposer = pool, proposer
         self.vocab_size, self.eos_ids, self.max_context = vocab_size, set(eos_ids), max_context
         self.max_num_seqs, self.max_prefill_tokens = max_num_seqs, max_prefill_tokens
@@ -36,6 +41,16 @@ class Scheduler:
         self.running: list[Request] = []
         self._verify_turn = True
         self._done: list[Request] = []
+        self.policy = AdaptivePolicy(proposer.block_size) if speculation == "adaptive" and proposer else None
+        self.acceptance_override = acceptance_override
+        self.plan_counts: Counter = Counter()   # plan kind -> steps
+        self._timings: dict[str, float] | None = None
+        self._seen: tuple[float, float] = (0.0, 0.0)
+
+    def bind_timings(self, timings: dict[str, float]) -> None:
+        """The runner's cumulative GPU-synchronised timings (draft_s, verify_s): the adaptive policy's costs."""
+        self._timings = timings
+        self._seen = (timings.get("draft_s", 0.0), timings.get("verify_s", 0.0))
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -86,6 +101,10 @@ class Scheduler:
         self.pool.release(req.request_id)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
+        if self.policy is not None:
+            self.policy.release(req.request_id)
+        if self.acceptance_override is not None:
+            self.acceptance_override.release(req.request_id)
 
     def abort(self, req_id: int, message: str) -> Request | None:
         """Finish a live request at once with FinishReason.ABORTED, freeing what it holds; None if there is no
@@ -122,18 +141,25 @@ class Scheduler:
             except Exception as e:  # e.g. out of memory for a drafter context: a failed step like any other
                 self.rollback(plan, e)
                 return None
+            self.plan_counts["prefill"] += 1
             return plan
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            spans = [min(self.active_proposer.block_size, r.remaining) for r in spec]
+            if self.policy is not None:
+                spans = self.policy.choose([r.request_id for r in spec], [r.remaining for r in spec])
+            else:
+                spans = [self.active_proposer.block_size] * len(spec)
+            spans = [min(s, r.remaining) for s, r in zip(spans, spec)]  # never verify past the budget
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
+            self.plan_counts["verify"] += 1
             return VerifyPlan(spec, spans, res)
         if plain:
             self._verify_turn = True
             for r in plain:
                 self.pool.extend(r.request_id, 1)
+            self.plan_counts["decode"] += 1
             return DecodePlan(plain)
         return None
 
@@ -164,16 +190,34 @@ class Scheduler:
                     req.topk.extend(result.topk[i])
                 self._append(req, [result.argmax[i][-1]])
         else:
-            results = build_verify_results(result.drafts, result.argmax, self.eos_ids,
-                                           [r.params.ignore_eos for r in plan.requests])
-            for (req_id, start, _span), req, vr in zip(self.pool.speculative_view(plan.reservation),
-                                                       plan.requests, results):
+            ignore = [r.params.ignore_eos for r in plan.requests]
+            if self.acceptance_override is None:
+                results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore)
+            else:  # benchmark-only (refengine bench --acceptance-profile): m drawn from the profile
+                forced = [self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
+                results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore, accepted=forced)
+            for (req_id, start, span), req, vr in zip(self.pool.speculative_view(plan.reservation),
+                                                      plan.requests, results):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
                 self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
-                req.spec.record(vr.committed)
+                req.spec.record(vr.committed, span)
+                if self.policy is not None:
+                    self.policy.observe_acceptance(req_id, span, vr.accepted)
                 self._append(req, vr.new_tokens)
             self.pool.revert_schedule(plan.reservation)
+            self._observe_costs(plan)
         self._retire_and_check(plan)
+
+    def _observe_costs(self, plan: VerifyPlan) -> None:
+        """Feed the adaptive policy this verify step's shape and the runner's synchronised draft / verify time."""
+        if self._timings is None:
+            return
+        now = (self._timings.get("draft_s", 0.0), self._timings.get("verify_s", 0.0))
+        draft_s, verify_s = now[0] - self._seen[0], now[1] - self._seen[1]
+        self._seen = now
+        if self.policy is not None:
+            self.policy.observe_step(len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans),
+                                     draft_s, verify_s)
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

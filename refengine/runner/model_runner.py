@@ -114,14 +114,22 @@ class ModelRunner:
             return StepResult(a, t)
         assert isinstance(plan, VerifyPlan) and self.proposer is not None
         view = self.pool.speculative_view(plan.reservation)
-        drafts = self.proposer.propose([DraftItem(r.request_id, r.output_ids[-1], start, span)
-                                        for r, (_, start, span) in zip(plan.requests, view)])
+        items = [DraftItem(r.request_id, r.output_ids[-1], start, span)
+                 for r, (_, start, span) in zip(plan.requests, view)]
+        drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
+        drafts: list[list[int]] = [[] for _ in items]
+        if drafting:
+            for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
+                drafts[i] = d
         self._sync()
         t1 = time.perf_counter()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
-        graphed = self._replay("verify", [StepRow(rid, start, toks, start + span)
-                                          for (rid, start, span), toks in zip(view, tokens)], capture=True)
+        # every span 1 (adaptive chose plain decode for all): the one-row decode graph, which computes the
+        # same taps, instead of a verify graph padded to B rows per request
+        kind = "verify" if any(span > 1 for _, _, span in view) else "decode"
+        graphed = self._replay(kind, [StepRow(rid, start, toks, start + span)
+                                      for (rid, start, span), toks in zip(view, tokens)], capture=True)
         if graphed is not None:
             a = graphed
         else:

@@ -31,11 +31,19 @@ class VerifyResult:
 
 
 def build_verify_results(drafts: Sequence[Sequence[int]], target_argmax: Sequence[Sequence[int]],
-                         eos_ids: Collection[int], ignore_eos: Sequence[bool]) -> list[VerifyResult]:
-    """One VerifyResult per request. EOS inside the committed run truncates right after it."""
+                         eos_ids: Collection[int], ignore_eos: Sequence[bool],
+                         accepted: Sequence[int] | None = None) -> list[VerifyResult]:
+    """One VerifyResult per request. EOS inside the committed run truncates right after it.
+
+    `accepted` (benchmark acceptance profiles only, refengine.spec_decode.acceptance_profile) replaces
+    accept_greedy's m per request: the run is then d_1..d_m + target_argmax[m], no longer greedy-exact."""
     out = []
-    for d, t, ign in zip(drafts, target_argmax, ignore_eos, strict=True):
+    for i, (d, t, ign) in enumerate(zip(drafts, target_argmax, ignore_eos, strict=True)):
         m = accept_greedy(d, t)
+        if accepted is not None:
+            if not 0 <= accepted[i] <= len(d):
+                raise ValueError(f"forced acceptance {accepted[i]} outside 0..{len(d)} drafts")
+            m = accepted[i]
         run = list(d[:m]) + [t[m]]
         hit = False
         if not ign:

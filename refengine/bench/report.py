@@ -1,0 +1,47 @@
+"""Bench rows: aggregation over repeats (median, with the tok/s spread) and the stderr table."""
+from __future__ import annotations
+
+import statistics
+import sys
+from typing import Any
+
+KEY = ("mode", "acceptance", "concurrency")
+COLUMNS = [("mode", "mode"), ("acceptance", "acceptance"), ("c", "concurrency"), ("tok/s", "tok_per_s"),
+           ("min-max", "tok_per_s_spread"), ("req tok/s", "per_request_tok_per_s"), ("tau", "tau"),
+           ("draft ms", "draft_ms_per_step"), ("verify ms", "verify_ms_per_step"),
+           ("decode ms", "decode_ms_per_step"), ("host ms", "host_ms_per_step"),
+           ("x floor", "x_plain_floor"), ("x own ideal", "x_own_ideal")]
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its repeats: numeric fields are medians, tok/s also gets min / max; the rest from run 1."""
+    row = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "concurrency":
+            vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+            row[k] = round(statistics.median(vals), 4)
+    tps = [r["tok_per_s"] for r in runs]
+    row.update(repeats=len(runs), tok_per_s_min=round(min(tps), 2), tok_per_s_max=round(max(tps), 2))
+    return row
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    if key == "tok_per_s_spread":
+        return f"{row['tok_per_s_min']:.1f}-{row['tok_per_s_max']:.1f}" if "tok_per_s_min" in row else ""
+    v = row.get(key)
+    if v is None:
+        return ""
+    return f"{v:.3g}" if isinstance(v, float) and key.startswith("x_") else (
+        f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cells = [[h for h, _ in COLUMNS]] + [[_cell(r, k) for _, k in COLUMNS] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict[str, Any]], header: str) -> None:
+    print(f"\n{header}\n{table(rows)}", file=sys.stderr)

@@ -1,0 +1,153 @@
+"""Running bench rows: one engine per mode (plain, dflash, adaptive), each concurrency and acceptance profile
+`repeats` times after a discarded warm-up, every step timed on the host.
+
+Per-step columns (ms, per step of that kind):
+- decode / draft / verify: the runner's GPU-synchronised timings (runner.timings) over the steps that ran them
+  (draft and verify per verify step: a DFlash step is one draft + one verify);
+- host: the wall time of engine.step() minus the runner's synchronised compute, over all steps: scheduling,
+  commit, acceptance, and the Python between phases (batch tensors are built inside the runner's timed part).
+Ratios: x_plain_floor = tok/s / (copy bandwidth / target weight bytes), the memory-bound floor of a batch-1
+plain decode step; x_own_ideal (DFlash) = per-request tok/s / (tau * bandwidth / (target + drafter bytes)),
+i.e. against a step that streams both models' weights once and commits tau tokens.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from refengine.errors import RefEngineError
+from refengine.request import SamplingParams, SpecStats
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride
+
+
+class BenchError(RefEngineError):
+    """A bench run is not a measurement: a request was rejected, or a row ran no tokens."""
+
+
+def measure_copy_bandwidth(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second (CPU: memcpy of a 256 MiB buffer)."""
+    n = 1 << 28
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    _sync(device)
+    return 2 * n * 10 / (time.perf_counter() - t0)
+
+
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tensor_bytes(*objs: Any) -> int:
+    """Bytes of the distinct tensors reachable from objs (attributes, lists, dicts; shared tensors once)."""
+    seen: set[int] = set()
+    total = 0
+    stack = list(objs)
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.data_ptr() not in seen:
+                seen.add(o.data_ptr())
+                total += o.numel() * o.element_size()
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            stack.extend(v for k, v in vars(o).items() if k not in ("rope", "cfg", "mcfg"))
+    return total
+
+
+def target_weight_bytes(target) -> int:
+    return tensor_bytes(target.embed_tokens, target.lm_head, target.final_norm, target.layers)
+
+
+def drafter_weight_bytes(drafter) -> int:
+    """What one draft step streams: fc, norms, layers, and the (shared) lm_head it reads again."""
+    return tensor_bytes(drafter.fc, drafter.hidden_norm, drafter.layers, drafter.norm, drafter.lm_head)
+
+
+def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, Any]:
+    """Submit every prompt together, step to completion timing each step; fail on rejection / no tokens."""
+    device = str(engine.target.device)
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
+    _sync(device)
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(p, params) for p in prompts]
+    bad = [r for r in reqs if r.reject_reason is not None]
+    if bad:
+        raise BenchError(f"{len(bad)} of {len(reqs)} bench requests were rejected ({bad[0].reject_reason.value}): "
+                         f"{bad[0].message}")
+    step_wall = 0.0
+    while engine.has_work():
+        ts = time.perf_counter()
+        engine.step()
+        step_wall += time.perf_counter() - ts
+    _sync(device)
+    secs = time.perf_counter() - t0
+    timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
+    plans = Counter(engine.scheduler.plan_counts)
+    plans.subtract(plans_before)
+    tokens = sum(len(r.output_ids) for r in reqs)
+    if tokens == 0:
+        raise BenchError(f"a bench run of {len(reqs)} requests produced no tokens")
+    stats = SpecStats()
+    for r in reqs:
+        stats.merge(r.spec)
+    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s"))
+    return {"tokens": tokens, "seconds": secs, "timings": timings, "plans": dict(plans), "stats": stats,
+            "host_s": max(step_wall - compute, 0.0), "steps": sum(plans.values())}
+
+
+def measure_row(engine, mode: str, acceptance: str, prompts: list[list[int]], output_tokens: int,
+                floor: float, own_bytes: int, bandwidth: float) -> dict[str, Any]:
+    r = run_once(engine, prompts, output_tokens)
+    c, secs, t, plans = len(prompts), r["seconds"], r["timings"], r["plans"]
+    tps = r["tokens"] / secs
+    row: dict[str, Any] = {"mode": mode, "acceptance": acceptance, "concurrency": c, "tokens": r["tokens"],
+                           "seconds": round(secs, 4), "tok_per_s": round(tps, 2),
+                           "per_request_tok_per_s": round(tps / c, 2),
+                           "memory_bound_floor_tok_per_s": round(floor, 1),
+                           "x_plain_floor": round(tps / floor, 4),
+                           "fraction_of_floor_per_request": round(tps / c / floor, 4),
+                           "host_ms_per_step": round(r["host_s"] * 1e3 / max(r["steps"], 1), 4),
+                           "steps": r["steps"]}
+    if plans.get("decode"):
+        row["decode_ms_per_step"] = round(t["decode_s"] * 1e3 / plans["decode"], 4)
+    if mode != "plain":
+        s: SpecStats = r["stats"]
+        n = max(plans.get("verify", 0), 1)
+        ideal = s.tau * bandwidth / own_bytes
+        row.update(tau=round(s.tau, 4), verify_steps=plans.get("verify", 0),
+                   draft_ms_per_step=round(t["draft_s"] * 1e3 / n, 4),
+                   verify_ms_per_step=round(t["verify_s"] * 1e3 / n, 4),
+                   own_ideal_tok_per_s=round(ideal, 1), x_own_ideal=round(tps / c / ideal, 4) if ideal else None,
+                   accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
+                   span_hist={str(k): v for k, v in sorted(s.span_hist.items())})
+        if engine.scheduler.policy is not None:
+            row["policy"] = engine.scheduler.policy.summary()
+    return row
+
+
+def engine_for(mode: str, target: str, draft: str | None, *, device: str, synthetic: bool, max_num_seqs: int,
+               max_model_len: int, override: AcceptanceOverride | None, graph_mode: str | None = None):
+    from refengine.config import EngineConfig
+    from refengine.engine import Engine
+    cfg = EngineConfig(target, draft_path=draft if mode != "plain" else None, device=device,
+                       synthetic_weights=synthetic, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       speculation="adaptive" if mode == "adaptive" else "fixed", graph_mode=graph_mode)
+    return Engine(cfg, acceptance_override=override if mode != "plain" else None)
+
+
+def set_override(engine, override: AcceptanceOverride | None) -> None:
+    """Swap the engine's acceptance profile between rows (bench only: the engine's own path never does)."""
+    engine.scheduler.acceptance_override = override

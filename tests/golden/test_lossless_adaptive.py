@@ -1,0 +1,77 @@
+"""Adaptive speculation is lossless: whatever span the policy picks per request per step (1 = plain decode for
+that request, verified as a one-row span with no drafts), the greedy output equals plain decoding token for
+token, with the real drafter on every fixture pair, with the oracle and garbage test proposers (which drive
+the policy to full spans and to span 1), and with spans drawn at random every step. KV integrity and drafter
+alignment hold after every scenario.
+
+Run: pytest tests/golden/test_lossless_adaptive.py     (or: pytest -k lossless)
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from refengine import SamplingParams
+from tests.adapter import assert_same_tokens, cpu_engine, greedy
+from tests.golden.test_lossless import BUDGETS, B, _check_clean, _ignore_eos, _prompts
+from tests.proposers import garbage, oracle
+
+
+def test_lossless_adaptive_dflash_concurrent(model_pair):
+    prompts = _prompts(model_pair, 10, seed=5)
+    budgets = [BUDGETS[i % len(BUDGETS)] for i in range(len(prompts))]
+    ign = _ignore_eos(model_pair)
+    plain = greedy(cpu_engine(model_pair.target), prompts, budgets, ign)
+    engine = cpu_engine(model_pair.target, model_pair.draft, speculation="adaptive")
+    spec = greedy(engine, prompts, budgets, ign)
+    for i, (s, p) in enumerate(zip(spec, plain)):
+        assert_same_tokens(s, p, f"{model_pair.name} adaptive request {i} (max_tokens {budgets[i]})")
+    assert engine.scheduler.policy is not None and engine.scheduler.policy.steps > 0
+    _check_clean(engine)
+
+
+def _adaptive_with(pair, proposer, prompts, budgets, choose=None, **kw):
+    engine = cpu_engine(pair.target, proposer=proposer, speculation="adaptive", **kw)
+    if choose is not None:
+        engine.scheduler.policy.choose = choose  # type: ignore[union-attr]
+    plain = greedy(cpu_engine(pair.target), prompts, budgets, True)
+    reqs = []
+    for p, m, ref in zip(prompts, budgets, plain):
+        r = engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+        proposer.expect(r.request_id, len(p), ref)
+        reqs.append(r)
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+    for i, (r, ref) in enumerate(zip(reqs, plain)):
+        assert_same_tokens(r.output_ids, ref, f"request {i} (max_tokens {budgets[i]})")
+    _check_clean(engine)
+    return engine, reqs
+
+
+def test_lossless_adaptive_oracle_and_garbage_proposers(random_pair):
+    prompts = _prompts(random_pair, 7, seed=6)
+    _, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS)
+    hist = sum((r.spec.span_hist for r in reqs), start=type(reqs[0].spec.span_hist)())
+    assert max(hist) > 1, f"oracle acceptance should make the policy speculate: spans {dict(hist)}"
+    _, reqs = _adaptive_with(random_pair, garbage(B, 1024), prompts, BUDGETS)
+    hist = sum((r.spec.span_hist for r in reqs), start=type(reqs[0].spec.span_hist)())
+    assert hist[1] > 0, f"garbage acceptance should make the policy fall back to span 1: spans {dict(hist)}"
+
+
+@pytest.mark.parametrize("graph_mode", ["eager", "full"])
+def test_lossless_adaptive_random_spans_every_step(random_pair, graph_mode):
+    """Random spans per request per step, and steps where every span is 1 (then the runner replays the
+    one-row decode graph, taps included, instead of a verify graph padded to B rows)."""
+    rng = random.Random(7)
+    prompts = _prompts(random_pair, 7, seed=8)
+
+    def choose(req_ids, remaining):
+        if rng.random() < 0.3:
+            return [1] * len(req_ids)
+        return [rng.randint(1, B) for _ in req_ids]
+
+    _, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS, choose, graph_mode=graph_mode)
+    spans = set().union(*(r.spec.span_hist for r in reqs))
+    assert 1 in spans and len(spans) > 5, spans

@@ -1,0 +1,114 @@
+"""The adaptive span policy (refengine.spec_decode.adaptive) on synthetic cost / acceptance inputs, and the
+benchmark acceptance profiles (refengine.spec_decode.acceptance_profile): parsing, means, reproducibility,
+and that EngineConfig refuses a profile (bench-only).
+
+Run: python -m pytest tests/unit/test_adaptive.py -q
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from refengine.config import EngineConfig
+from refengine.errors import UnsupportedConfigError
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+from refengine.spec_decode.adaptive import AdaptivePolicy, CostModel, choose_spans, expected_tokens
+
+B = 16
+# A memory-bound GPU step: a verify of N requests and R rows costs 10 ms + 0.02 ms/request + 0.01 ms/row;
+# a draft of M requests 3 ms + 0.1 ms/request.
+COST = CostModel.linear(10e-3, 2e-5, 1e-5, 3e-3, 1e-4)
+
+
+def _alpha_for_tau(tau: float) -> float:
+    lo, hi = 0.0, 0.999
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, B) < tau else (lo, mid)
+    return lo
+
+
+def test_tau_one_at_c32_decodes_plainly():
+    d = choose_spans([0.0] * 32, [128] * 32, B, COST)
+    assert d.spans == [1] * 32 and d.cap == 1, d
+
+
+def test_tau_6_5_at_c1_speculates_full_span():
+    d = choose_spans([_alpha_for_tau(6.5)], [128], B, COST)
+    assert d.spans == [B], d
+    assert d.predicted_tok_per_s > 4 * d.plain_tok_per_s, d
+
+
+def test_mixed_acceptance_drops_only_the_poor_requests():
+    d = choose_spans([0.9] * 4 + [0.0] * 4, [128] * 8, B, COST)
+    assert all(s > 1 for s in d.spans[:4]) and d.spans[4:] == [1] * 4, d.spans
+
+
+def test_compute_bound_rows_shrink_the_span():
+    # rows dominate the cost (a compute-bound verify at large batch): a moderate acceptance gets a short span
+    heavy = CostModel.linear(10e-3, 0.0, 1e-4, 1e-4, 1e-5)
+    d = choose_spans([0.6] * 32, [128] * 32, B, heavy)
+    assert 1 < max(d.spans) < B, d
+
+
+def test_span_never_exceeds_remaining():
+    d = choose_spans([0.95, 0.95], [3, 1], B, COST)
+    assert d.spans[0] <= 3 and d.spans[1] == 1, d
+
+
+def test_policy_learns_acceptance_and_costs():
+    pol = AdaptivePolicy(B, cost=CostModel.linear(10e-3, 2e-5, 1e-5, 3e-3, 1e-4))
+    for _ in range(100):
+        spans = pol.choose([0, 1], [500, 500])
+        for rid, s in zip([0, 1], spans):
+            pol.observe_acceptance(rid, s, 0)   # tau 1: nothing is ever accepted
+        pol.observe_step(2, sum(spans), sum(s > 1 for s in spans), 3e-3 if max(spans) > 1 else 0.0, 10e-3)
+    assert pol.alpha(0) < 0.2   # a few exploration steps only (plain wins), each a rejection
+    assert pol.choose([0, 1], [500, 500]) in ([1, 1], [B, B])  # plain, or an exploration step
+    s = pol.summary()
+    assert s["decisions"] == 101 and s["chosen_cap_hist"].get("1", 0) > 90 and s["explored"] <= 8, s
+
+
+@pytest.mark.parametrize("name,tau", [("tau6.5", 6.5), ("tau1.3", 1.3), ("tau3", 3.0), ("gsm8k", 6.5),
+                                      ("humaneval", 6.6), ("sharegpt", 2.29), ("geom0", 1.0)])
+def test_profiles_have_their_published_mean(name, tau):
+    p = parse_profile(name)
+    assert abs(p.tau - tau) < 0.01, (name, p.tau)
+    assert abs(sum(p.probs) - 1) < 1e-9
+    rng = random.Random(0)
+    draws = [p.draw(rng, B) for _ in range(20000)]
+    assert abs(1 + sum(draws) / len(draws) - tau) < 0.1
+    assert all(0 <= m <= B - 1 for m in draws) and all(p.draw(rng, 3) <= 2 for _ in range(100))
+
+
+def test_profile_parser_and_override_reproducible():
+    with pytest.raises(UnsupportedConfigError, match="unknown acceptance profile"):
+        parse_profile("tau-cake")
+    a, b = AcceptanceOverride(parse_profile("geom0.8"), seed=3), AcceptanceOverride(parse_profile("geom0.8"), seed=3)
+    assert [a.draw(7, B) for _ in range(50)] == [b.draw(7, B) for _ in range(50)]
+    assert a.label == "profile geom0.8"
+
+
+def test_engine_config_refuses_profiles_and_bad_speculation():
+    with pytest.raises(UnsupportedConfigError, match="benchmark-only"):
+        EngineConfig("x", acceptance_profile="tau6.5")
+    with pytest.raises(UnsupportedConfigError, match="speculation"):
+        EngineConfig("x", speculation="sometimes")
+    assert EngineConfig("x", speculation="adaptive").speculation == "adaptive"
+
+
+def test_padded_verify_graph_costs():
+    # CUDA-graph-like costs: a verify step costs the same whatever its rows (padded to B per request), plain
+    # decode (every span 1, the one-row decode graph) is cheaper. Low acceptance -> plain; high -> full span.
+    graph = CostModel.linear(12e-3, 1e-4, 0.0, 2e-3, 5e-5, p0=8e-3, p1=5e-5)
+    assert choose_spans([_alpha_for_tau(1.3)] * 32, [128] * 32, B, graph).spans == [1] * 32
+    assert choose_spans([_alpha_for_tau(6.5)], [128], B, graph).spans == [B]
+
+
+def test_plain_steps_feed_the_plain_curve():
+    m = CostModel()
+    for _ in range(30):
+        m.observe(8, 8, 0, 0.0, 4e-3)          # all span 1: plain decode
+        m.observe(8, 128, 8, 2e-3, 9e-3)       # full spans
+    assert abs(m.plain_s(8) - 4e-3) < 5e-4 and abs(m.verify_s(8, 128) - 9e-3) < 5e-4, (m.plain.theta, m.verify.theta)
