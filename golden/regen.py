@@ -82,8 +82,14 @@ class PairSpec:
 
     @property
     def eos_token_id(self) -> int | list[int] | None:
-        """Random-token pairs run every prompt to full length (their EOS is meaningless)."""
-        return self.target_config.get("eos_token_id") if self.tokenizer_path else None
+        """What HF generate() stops on: generation_config.json's eos_token_id when that file exists, else
+        config.json's. Random-token pairs run every prompt to full length (their EOS is meaningless)."""
+        if not self.tokenizer_path:
+            return None
+        gen = self.target_dir / "generation_config.json"
+        if gen.is_file():
+            return json.loads(gen.read_text()).get("eos_token_id")
+        return self.target_config.get("eos_token_id")
 
 
 def pair_spec(name: str, fixtures_root: Path = FIXTURES) -> PairSpec:

@@ -203,7 +203,7 @@ def break_first_token_from_first_row(engine: Engine) -> None:
     def first_row(plan):
         result = execute(plan)
         if type(plan).__name__ == "PrefillPlan":
-            result.argmax[:] = [rows[:1] for rows in result.argmax]
+            result.argmax[:] = [rows[:1] * len(rows) for rows in result.argmax]  # as many rows, the first's value
         return result
     runner.execute = first_row
 

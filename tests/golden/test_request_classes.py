@@ -20,6 +20,7 @@ import pytest
 from golden import hf_reference
 from golden.regen import pair_spec, text_prompts
 from refengine import FinishReason, SamplingParams
+from refengine.errors import IntegrityError
 from tests.adapter import (
     assert_no_leftovers,
     break_drop_ignore_eos,
@@ -77,7 +78,7 @@ def test_ignore_eos_runs_past_eos(trained_pair, prompts, spec):
     assert ignore_eos_problems(_engine(trained_pair, spec), prompt, want_full, want_eos) == []
     broken = ignore_eos_problems(_engine(trained_pair, spec, break_drop_ignore_eos), prompt, want_full, want_eos)
     print("\n".join(broken))
-    assert broken and "ignore_eos=True: 38 tokens, finish FinishReason.EOS" in broken[0]
+    assert broken and f"ignore_eos=True: {len(want_eos)} tokens, finish FinishReason.EOS" in broken[0]
 
 
 # ---------------------------------------------------------------- prompt_logprobs
@@ -181,7 +182,8 @@ def leftover_problems(engine, prompts: list[list[int]]) -> list[str]:
 def test_nothing_outlives_its_request(trained_pair, prompts):
     ps = list(prompts.values())
     assert leftover_problems(_engine(trained_pair, True), ps) == []
-    broken = leftover_problems(_engine(trained_pair, True, break_never_release_drafter_context), ps)
-    print("\n".join(broken[-3:]))
-    assert broken and "drafter_contexts still held for finished requests" in broken[0]
-    assert "after every request finished: {'drafter_contexts'" in broken[-1]
+    broken = _engine(trained_pair, True, break_never_release_drafter_context)
+    # The suite's check after every step (Engine.check_integrity, autouse in conftest) stops the leak at the
+    # first step a finished request's drafter context survives; the scenario's own check would report it too.
+    with pytest.raises(IntegrityError, match=r"proposer holds requests \[.*\], speculating requests are"):
+        leftover_problems(broken, ps)
