@@ -6,6 +6,7 @@ The drafter differential test also runs on tiny-random-gqa2 (2 KV heads, MASK id
 CPU tests run in fp32; tests marked `gpu` run in bf16 on CUDA and skip cleanly without it. Every Engine.step
 in the suite is followed by Engine.check_integrity() (an autouse fixture).
 """
+
 from __future__ import annotations
 
 import os
@@ -52,6 +53,7 @@ def model_pairs() -> list[ModelPair]:
 
 def pytest_configure(config):
     import torch
+
     # One intra-op thread: tiny fp32 matmuls gain nothing from more, and on a 2-core box shared by xdist
     # workers, oversubscribed OpenMP threads make them ~100x slower.
     torch.set_num_threads(1)
@@ -60,6 +62,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
+
         has_cuda = torch.cuda.is_available()
     except ImportError:
         has_cuda = False
@@ -95,6 +98,7 @@ def _integrity_after_every_step(monkeypatch):
     """Every Engine.step in the suite is followed by Engine.check_integrity(): scheduler, KV pool and proposer
     agree after every step of every test (IntegrityError at the first step where they do not)."""
     from refengine.engine import Engine
+
     step = Engine.step
 
     def checked_step(self):

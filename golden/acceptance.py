@@ -16,6 +16,7 @@ the request's later steps (now at different positions) are not compared. Any oth
 **acceptance_batch_invariance_gate**: tau (committed tokens per verify step) over all requests at
 concurrency N must be >= min_fraction x tau of the same requests run alone; optionally per request too.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from golden.records import AcceptanceRecord
 
 
 def _ctx(xs: Sequence[int], i: int, width: int = 3) -> list[int]:
-    return list(xs[max(0, i - width):i + width + 1])
+    return list(xs[max(0, i - width) : i + width + 1])
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,10 @@ class StepDifference:
     def __str__(self) -> str:
         m = "not recorded" if self.margin is None else f"{self.margin:.6f}"
         kind = "near-tie (allowed)" if self.near_tie else "NOT a near-tie"
-        return (f"{self.name} step {self.step}: committed {self.got}, golden {self.want}; deciding draft "
-                f"d_{self.draft_index}, golden drafter top-2 margin {m}: {kind}")
+        return (
+            f"{self.name} step {self.step}: committed {self.got}, golden {self.want}; deciding draft "
+            f"d_{self.draft_index}, golden drafter top-2 margin {m}: {kind}"
+        )
 
 
 @dataclass
@@ -75,10 +78,12 @@ class AcceptanceReport:
         return self.golden_committed / self.golden_steps if self.golden_steps else 0.0
 
     def __str__(self) -> str:
-        lines = [f"acceptance gate {'PASS' if self.passed else 'FAIL'}: {self.requests} requests ({self.coverage}); "
-                 f"identical {self.identical}, near-ties {len(self.near_ties)} (drafter top-2 margin tol "
-                 f"{self.margin_tol}), failures {len(self.failures)}; steps equal {self.steps_compared} of "
-                 f"{self.golden_steps} golden steps; tau engine {self.engine_tau:.4f} vs golden {self.golden_tau:.4f}"]
+        lines = [
+            f"acceptance gate {'PASS' if self.passed else 'FAIL'}: {self.requests} requests ({self.coverage}); "
+            f"identical {self.identical}, near-ties {len(self.near_ties)} (drafter top-2 margin tol "
+            f"{self.margin_tol}), failures {len(self.failures)}; steps equal {self.steps_compared} of "
+            f"{self.golden_steps} golden steps; tau engine {self.engine_tau:.4f} vs golden {self.golden_tau:.4f}"
+        ]
         lines += [f"  FAIL {f}" for f in self.failures[:20]]
         if len(self.failures) > 20:
             lines.append(f"  ... {len(self.failures) - 20} more failures")
@@ -90,12 +95,17 @@ class AcceptanceReport:
             raise AssertionError(str(self))
 
 
-def acceptance_gate(engine: Sequence[AcceptanceRecord], golden: Sequence[AcceptanceRecord],
-                    margin_tol: float = DRAFT_MARGIN_TOL, names: Sequence[str] | None = None) -> AcceptanceReport:
+def acceptance_gate(
+    engine: Sequence[AcceptanceRecord],
+    golden: Sequence[AcceptanceRecord],
+    margin_tol: float = DRAFT_MARGIN_TOL,
+    names: Sequence[str] | None = None,
+) -> AcceptanceReport:
     """Gate per-step committed lengths against the goldens (module docstring). Coverage is enforced
     (CoverageError); `names` gates an explicit subset."""
-    pairs, coverage = match_records(engine, golden, what="acceptance golden", ids=lambda r: r.prompt_ids,
-                                    ids_label="prompt_ids", names=names)
+    pairs, coverage = match_records(
+        engine, golden, what="acceptance golden", ids=lambda r: r.prompt_ids, ids_label="prompt_ids", names=names
+    )
     report = AcceptanceReport(margin_tol=margin_tol, coverage=coverage)
     for e, g in pairs:
         report.requests += 1
@@ -108,7 +118,8 @@ def acceptance_gate(engine: Sequence[AcceptanceRecord], golden: Sequence[Accepta
             report.failures.append(
                 f"{g.name}: output differs from the golden at generated position {d} (lengths "
                 f"{len(e.output_ids)} vs {len(g.output_ids)}): got {_ctx(e.output_ids, d)} want "
-                f"{_ctx(g.output_ids, d)}; acceptance is only comparable on a lossless run")
+                f"{_ctx(g.output_ids, d)}; acceptance is only comparable on a lossless run"
+            )
             continue
         diff = _first_step_difference(e, g, margin_tol)
         if diff is None:
@@ -119,8 +130,10 @@ def acceptance_gate(engine: Sequence[AcceptanceRecord], golden: Sequence[Accepta
         if diff.near_tie:
             report.near_ties.append(diff)
         else:
-            report.failures.append(f"{diff}; engine steps {_ctx(e.accepted_lengths, diff.step)} golden "
-                                   f"{_ctx(g.accepted_lengths, diff.step)} around step {diff.step}")
+            report.failures.append(
+                f"{diff}; engine steps {_ctx(e.accepted_lengths, diff.step)} golden "
+                f"{_ctx(g.accepted_lengths, diff.step)} around step {diff.step}"
+            )
     return report
 
 
@@ -143,8 +156,10 @@ def truncate_to_budget(rec: AcceptanceRecord, max_tokens: int) -> AcceptanceReco
     with budget b every step commits min(c_i, b - generated) tokens and stops at b: exact, no block size
     needed. Budgets above the golden's are not derivable (the golden may have stopped at its own budget)."""
     if not 1 <= max_tokens <= len(rec.output_ids):
-        raise GoldenError(f"{rec.name}: budget {max_tokens} outside 1..{len(rec.output_ids)} (the golden's "
-                          f"output length); larger budgets need their own goldens")
+        raise GoldenError(
+            f"{rec.name}: budget {max_tokens} outside 1..{len(rec.output_ids)} (the golden's "
+            f"output length); larger budgets need their own goldens"
+        )
     generated, steps, margins = 1, [], []
     for i, c in enumerate(rec.accepted_lengths):
         if generated >= max_tokens:
@@ -152,7 +167,7 @@ def truncate_to_budget(rec: AcceptanceRecord, max_tokens: int) -> AcceptanceReco
         left = max_tokens - generated
         steps.append(min(c, left))
         if rec.draft_margins:
-            margins.append(rec.draft_margins[i][:left - 1])
+            margins.append(rec.draft_margins[i][: left - 1])
         generated += steps[-1]
     return AcceptanceRecord(rec.name, list(rec.prompt_ids), list(rec.output_ids[:max_tokens]), steps, margins)
 
@@ -178,12 +193,16 @@ class BatchInvarianceReport:
 
     def __str__(self) -> str:
         per = "" if self.per_request_min_fraction is None else f", per request >= {self.per_request_min_fraction}"
-        lines = [f"acceptance batch invariance {'PASS' if self.passed else 'FAIL'}: tau concurrent "
-                 f"{self.tau_concurrent:.4f} / alone {self.tau_alone:.4f} = {self.ratio:.4f} (min {self.min_fraction}"
-                 f"{per}); {self.coverage}; outputs differing {self.outputs_differ}"]
+        lines = [
+            f"acceptance batch invariance {'PASS' if self.passed else 'FAIL'}: tau concurrent "
+            f"{self.tau_concurrent:.4f} / alone {self.tau_alone:.4f} = {self.ratio:.4f} (min {self.min_fraction}"
+            f"{per}); {self.coverage}; outputs differing {self.outputs_differ}"
+        ]
         lines += [f"  FAIL {f}" for f in self.failures[:20]]
-        lines += [f"  worst request {n}: tau alone {a:.3f}, concurrent {c:.3f}, ratio {r:.3f}"
-                  for r, n, a, c in sorted(self.per_request)[:5]]
+        lines += [
+            f"  worst request {n}: tau alone {a:.3f}, concurrent {c:.3f}, ratio {r:.3f}"
+            for r, n, a, c in sorted(self.per_request)[:5]
+        ]
         return "\n".join(lines)
 
     def assert_passes(self) -> None:
@@ -191,20 +210,26 @@ class BatchInvarianceReport:
             raise AssertionError(str(self))
 
 
-def acceptance_batch_invariance_gate(alone: Sequence[AcceptanceRecord], concurrent: Sequence[AcceptanceRecord],
-                                     min_fraction: float, per_request_min_fraction: float | None = None,
-                                     names: Sequence[str] | None = None) -> BatchInvarianceReport:
+def acceptance_batch_invariance_gate(
+    alone: Sequence[AcceptanceRecord],
+    concurrent: Sequence[AcceptanceRecord],
+    min_fraction: float,
+    per_request_min_fraction: float | None = None,
+    names: Sequence[str] | None = None,
+) -> BatchInvarianceReport:
     """Acceptance of the same requests run at concurrency N (`concurrent`) vs one at a time (`alone`)."""
     if not 0 < min_fraction <= 1.5:
         raise GoldenError(f"min_fraction {min_fraction} outside (0, 1.5]: a fraction of the alone tau")
-    pairs, coverage = match_records(concurrent, alone, what="alone-run", ids=lambda r: r.prompt_ids,
-                                    ids_label="prompt_ids", names=names)
+    pairs, coverage = match_records(
+        concurrent, alone, what="alone-run", ids=lambda r: r.prompt_ids, ids_label="prompt_ids", names=names
+    )
     report = BatchInvarianceReport(min_fraction, per_request_min_fraction, coverage)
     steps_a = sum(len(a.accepted_lengths) for _, a in pairs)
     steps_c = sum(len(c.accepted_lengths) for c, _ in pairs)
     if steps_a == 0 or steps_c == 0:
-        raise GoldenError(f"no verify steps to compare (alone {steps_a}, concurrent {steps_c}): were the "
-                          f"requests speculating?")
+        raise GoldenError(
+            f"no verify steps to compare (alone {steps_a}, concurrent {steps_c}): were the requests speculating?"
+        )
     report.tau_alone = sum(sum(a.accepted_lengths) for _, a in pairs) / steps_a
     report.tau_concurrent = sum(sum(c.accepted_lengths) for c, _ in pairs) / steps_c
     for c, a in pairs:
@@ -212,9 +237,14 @@ def acceptance_batch_invariance_gate(alone: Sequence[AcceptanceRecord], concurre
         if a.accepted_lengths and c.accepted_lengths:
             report.per_request.append((c.tau / a.tau, a.name, a.tau, c.tau))
     if report.ratio < min_fraction:
-        report.failures.append(f"tau at concurrency {report.tau_concurrent:.4f} is {report.ratio:.4f} of tau "
-                               f"alone {report.tau_alone:.4f} < {min_fraction}")
+        report.failures.append(
+            f"tau at concurrency {report.tau_concurrent:.4f} is {report.ratio:.4f} of tau "
+            f"alone {report.tau_alone:.4f} < {min_fraction}"
+        )
     if per_request_min_fraction is not None:
-        report.failures += [f"{n}: tau alone {ta:.3f}, concurrent {tc:.3f}, ratio {r:.3f} < {per_request_min_fraction}"
-                            for r, n, ta, tc in report.per_request if r < per_request_min_fraction]
+        report.failures += [
+            f"{n}: tau alone {ta:.3f}, concurrent {tc:.3f}, ratio {r:.3f} < {per_request_min_fraction}"
+            for r, n, ta, tc in report.per_request
+            if r < per_request_min_fraction
+        ]
     return report

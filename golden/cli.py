@@ -10,6 +10,7 @@ it) or a records file. Prints a short human summary, then one JSON object as the
 0 pass, 1 fail, 2 usage error or input that cannot be gated (a missing or malformed file, or a coverage
 error: no records, some missing, a name twice, unknown names, other input ids, k < 8).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,28 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
     check = sub.add_parser("check", help="run one gate")
     kinds = check.add_subparsers(dest="kind", required=True, parser_class=_Parser)
-    for kind, helptext in (("topk", "teacher-forced top-k vs HF (hf_gate)"),
-                           ("greedy", "greedy outputs vs HF greedy, exact"),
-                           ("acceptance", "per-step committed lengths vs the oracle's")):
+    for kind, helptext in (
+        ("topk", "teacher-forced top-k vs HF (hf_gate)"),
+        ("greedy", "greedy outputs vs HF greedy, exact"),
+        ("acceptance", "per-step committed lengths vs the oracle's"),
+    ):
         p = kinds.add_parser(kind, help=helptext)
         p.add_argument("--engine", required=True, type=Path, help="the engine's records (JSONL, .gz ok)")
         p.add_argument("--golden", required=True, type=Path, help="golden/data/<pair> or a records file")
         p.add_argument("--names", default=None, help="comma-separated explicit subset of golden record names")
         if kind == "topk":
-            p.add_argument("--tol", choices=sorted(TOLERANCES_BY_NAME), default="bf16",
-                           help="tolerance set (default bf16: margin 0.20, head mean 0.06, p99 0.20)")
+            p.add_argument(
+                "--tol",
+                choices=sorted(TOLERANCES_BY_NAME),
+                default="bf16",
+                help="tolerance set (default bf16: margin 0.20, head mean 0.06, p99 0.20)",
+            )
             p.add_argument("--fp32", action="store_true", help="same as --tol fp32")
         if kind == "acceptance":
-            p.add_argument("--margin-tol", type=float, default=DRAFT_MARGIN_TOL,
-                           help=f"drafter top-2 near-tie band (default {DRAFT_MARGIN_TOL}, fp32)")
+            p.add_argument(
+                "--margin-tol",
+                type=float,
+                default=DRAFT_MARGIN_TOL,
+                help=f"drafter top-2 near-tie band (default {DRAFT_MARGIN_TOL}, fp32)",
+            )
     return ap
 
 
 def golden_path(kind: str, given: Path) -> Path:
     path = given / GOLDEN_FILES[kind] if given.is_dir() else given
     if not path.is_file():
-        raise GoldenError(f"no golden {kind} records at {path}" + (
-            f" (a pair directory must hold {GOLDEN_FILES[kind]})" if given.is_dir() else ""))
+        raise GoldenError(
+            f"no golden {kind} records at {path}"
+            + (f" (a pair directory must hold {GOLDEN_FILES[kind]})" if given.is_dir() else "")
+        )
     return path
 
 
@@ -82,41 +95,92 @@ def _names(arg: str | None) -> list[str] | None:
 def _check_topk(args) -> tuple[str, bool, dict]:
     tol_name = "fp32" if args.fp32 else args.tol
     tol = TOLERANCES_BY_NAME[tol_name]
-    report = hf_gate(read_topk_jsonl(args.engine), read_topk_jsonl(golden_path("topk", args.golden)), tol,
-                     names=_names(args.names))
-    data = {"tol": tol_name, "margin": tol.margin, "head_delta_mean_tol": tol.head_delta_mean,
-            "head_delta_p99_tol": tol.head_delta_p99,
-            "records": report.coverage.gated if report.coverage is not None else None,
-            "positions": report.positions, "mean": report.mean, "p99": report.p99, "max": report.max,
-            "max_regret": report.max_regret, "missing_from_hf": report.missing_from_hf,
-            "violations": len(report.violations),
-            "first_violations": [{"name": v.name, "position": v.position, "pick": v.pick, "top1": v.top1,
-                                  "regret": v.regret, "in_topk": v.in_topk} for v in report.violations[:LISTED]]}
+    report = hf_gate(
+        read_topk_jsonl(args.engine), read_topk_jsonl(golden_path("topk", args.golden)), tol, names=_names(args.names)
+    )
+    data = {
+        "tol": tol_name,
+        "margin": tol.margin,
+        "head_delta_mean_tol": tol.head_delta_mean,
+        "head_delta_p99_tol": tol.head_delta_p99,
+        "records": report.coverage.gated if report.coverage is not None else None,
+        "positions": report.positions,
+        "mean": report.mean,
+        "p99": report.p99,
+        "max": report.max,
+        "max_regret": report.max_regret,
+        "missing_from_hf": report.missing_from_hf,
+        "violations": len(report.violations),
+        "first_violations": [
+            {
+                "name": v.name,
+                "position": v.position,
+                "pick": v.pick,
+                "top1": v.top1,
+                "regret": v.regret,
+                "in_topk": v.in_topk,
+            }
+            for v in report.violations[:LISTED]
+        ],
+    }
     return str(report), report.passed, data
 
 
 def _check_greedy(args) -> tuple[str, bool, dict]:
-    report = greedy_gate(read_greedy_jsonl(args.engine), read_greedy_jsonl(golden_path("greedy", args.golden)),
-                         names=_names(args.names))
-    data = {"records": report.records, "identical": report.identical, "tokens": report.tokens,
-            "mismatches": len(report.mismatches),
-            "first_mismatches": [{"name": m.name, "position": m.position, "got_len": m.got_len,
-                                  "want_len": m.want_len, "context_start": m.context_start, "got": m.got,
-                                  "want": m.want} for m in report.mismatches[:LISTED]]}
+    report = greedy_gate(
+        read_greedy_jsonl(args.engine), read_greedy_jsonl(golden_path("greedy", args.golden)), names=_names(args.names)
+    )
+    data = {
+        "records": report.records,
+        "identical": report.identical,
+        "tokens": report.tokens,
+        "mismatches": len(report.mismatches),
+        "first_mismatches": [
+            {
+                "name": m.name,
+                "position": m.position,
+                "got_len": m.got_len,
+                "want_len": m.want_len,
+                "context_start": m.context_start,
+                "got": m.got,
+                "want": m.want,
+            }
+            for m in report.mismatches[:LISTED]
+        ],
+    }
     return str(report), report.passed, data
 
 
 def _check_acceptance(args) -> tuple[str, bool, dict]:
-    report = acceptance_gate(read_acceptance_jsonl(args.engine),
-                             read_acceptance_jsonl(golden_path("acceptance", args.golden)),
-                             margin_tol=args.margin_tol, names=_names(args.names))
-    data = {"margin_tol": report.margin_tol, "records": report.requests, "identical": report.identical,
-            "near_ties": len(report.near_ties), "failures": len(report.failures),
-            "steps_equal": report.steps_compared, "golden_steps": report.golden_steps,
-            "tau_engine": report.engine_tau, "tau_golden": report.golden_tau,
-            "first_failures": report.failures[:LISTED],
-            "first_near_ties": [{"name": d.name, "step": d.step, "got": d.got, "want": d.want,
-                                 "draft_index": d.draft_index, "margin": d.margin} for d in report.near_ties[:LISTED]]}
+    report = acceptance_gate(
+        read_acceptance_jsonl(args.engine),
+        read_acceptance_jsonl(golden_path("acceptance", args.golden)),
+        margin_tol=args.margin_tol,
+        names=_names(args.names),
+    )
+    data = {
+        "margin_tol": report.margin_tol,
+        "records": report.requests,
+        "identical": report.identical,
+        "near_ties": len(report.near_ties),
+        "failures": len(report.failures),
+        "steps_equal": report.steps_compared,
+        "golden_steps": report.golden_steps,
+        "tau_engine": report.engine_tau,
+        "tau_golden": report.golden_tau,
+        "first_failures": report.failures[:LISTED],
+        "first_near_ties": [
+            {
+                "name": d.name,
+                "step": d.step,
+                "got": d.got,
+                "want": d.want,
+                "draft_index": d.draft_index,
+                "margin": d.margin,
+            }
+            for d in report.near_ties[:LISTED]
+        ],
+    }
     return str(report), report.passed, data
 
 
@@ -131,8 +195,14 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
         kind = args.kind
         summary, passed, data = CHECKS[kind](args)
         code = EXIT_PASS if passed else EXIT_FAIL
-        result = {"check": kind, "result": "pass" if passed else "fail", "exit_code": code,
-                  "engine": str(args.engine), "golden": str(args.golden), **data}
+        result = {
+            "check": kind,
+            "result": "pass" if passed else "fail",
+            "exit_code": code,
+            "engine": str(args.engine),
+            "golden": str(args.golden),
+            **data,
+        }
     except (UsageError, GoldenError) as e:
         code = EXIT_USAGE
         label = "usage error" if isinstance(e, UsageError) else type(e).__name__

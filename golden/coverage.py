@@ -5,6 +5,7 @@ empty file, so matching is strict: the engine must write exactly one record per 
 caller names an explicit subset, exactly one per named record), with the same input ids. Anything else
 raises CoverageError with the names and the numbers.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -53,8 +54,15 @@ def _duplicates(names: Sequence[str]) -> list[str]:
     return sorted(n for n, c in Counter(names).items() if c > 1)
 
 
-def match_records(engine: Sequence[E], golden: Sequence[G], *, what: str, ids: Callable[[Any], Sequence[int]],
-                  ids_label: str, names: Sequence[str] | None = None) -> tuple[list[tuple[E, G]], Coverage]:
+def match_records(
+    engine: Sequence[E],
+    golden: Sequence[G],
+    *,
+    what: str,
+    ids: Callable[[Any], Sequence[int]],
+    ids_label: str,
+    names: Sequence[str] | None = None,
+) -> tuple[list[tuple[E, G]], Coverage]:
     """Pairs (engine record, golden record) in golden order, and the coverage.
 
     what: the golden side's label in messages ("HF", "greedy golden", ...); ids(record): the input ids the
@@ -65,11 +73,14 @@ def match_records(engine: Sequence[E], golden: Sequence[G], *, what: str, ids: C
     if golden_dups:
         raise CoverageError(f"the {what} records hold these names more than once: {_names(golden_dups)}")
     if not engine:
-        raise CoverageError(f"no engine records: nothing was gated against the {len(golden)} {what} records "
-                            f"(first: {_names([g.name for g in golden])})")
+        raise CoverageError(
+            f"no engine records: nothing was gated against the {len(golden)} {what} records "
+            f"(first: {_names([g.name for g in golden])})"
+        )
     if engine_dups:
-        raise CoverageError(f"engine records hold these names more than once: {_names(engine_dups)} "
-                            f"(one record per name)")
+        raise CoverageError(
+            f"engine records hold these names more than once: {_names(engine_dups)} (one record per name)"
+        )
     by_name = {g.name: g for g in golden}
     if names is not None:
         unknown_names = [n for n in names if n not in by_name]
@@ -81,8 +92,9 @@ def match_records(engine: Sequence[E], golden: Sequence[G], *, what: str, ids: C
     wanted_set = set(wanted)
     unknown = [e.name for e in engine if e.name not in by_name]
     if unknown:
-        raise CoverageError(f"engine records with no {what} record: {_names(unknown)} ({what} has "
-                            f"{_names(sorted(by_name))})")
+        raise CoverageError(
+            f"engine records with no {what} record: {_names(unknown)} ({what} has {_names(sorted(by_name))})"
+        )
     outside = [e.name for e in engine if e.name not in wanted_set]
     if outside:
         raise CoverageError(f"engine records outside the named subset of {len(wanted)}: {_names(outside)}")
@@ -90,15 +102,19 @@ def match_records(engine: Sequence[E], golden: Sequence[G], *, what: str, ids: C
     missing = [n for n in wanted if n not in have]
     if missing:
         scope = "named subset" if names is not None else f"{what} records"
-        raise CoverageError(f"partial coverage: engine wrote {len(have)} of the {len(wanted)} {scope}; "
-                            f"missing {len(missing)}: {_names(missing)}")
+        raise CoverageError(
+            f"partial coverage: engine wrote {len(have)} of the {len(wanted)} {scope}; "
+            f"missing {len(missing)}: {_names(missing)}"
+        )
     pairs = []
     for n in wanted:
         e, g = have[n], by_name[n]
         d = first_difference(list(ids(e)), list(ids(g)))
         if d is not None:
-            raise CoverageError(f"{n}: engine and {what} records hold different {ids_label} (first difference "
-                                f"at {d}, lengths {len(ids(e))} vs {len(ids(g))}): the engine was not run on "
-                                f"the golden inputs")
+            raise CoverageError(
+                f"{n}: engine and {what} records hold different {ids_label} (first difference "
+                f"at {d}, lengths {len(ids(e))} vs {len(ids(g))}): the engine was not run on "
+                f"the golden inputs"
+            )
         pairs.append((e, g))
     return pairs, Coverage(gated=len(pairs), golden_total=len(golden), subset=names is not None)

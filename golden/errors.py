@@ -3,6 +3,7 @@
 All subclass ValueError, so a caller that only knows "bad input" can catch that; the gate CLI maps every
 GoldenError to exit code 2 (input that cannot be gated), never to a pass.
 """
+
 from __future__ import annotations
 
 

@@ -6,6 +6,7 @@ context must equal golden.hf_reference.target_features(target, ids[:n], tap_laye
 the tap layers for that request's own tokens, before the final norm), whichever plan produced it: a
 prefill alone, a batched prefill, or a verify commit. fp32, tolerance FEATURE_REL_TOL (golden/gates.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -34,13 +35,17 @@ class FeatureReport:
         return self.bad_rows == 0 and self.row_count is None
 
     def __str__(self) -> str:
-        head = (f"features {self.name} {'PASS' if self.passed else 'FAIL'}: {self.rows} rows, max |delta| "
-                f"{self.max_abs:.3e}, max row-relative {self.max_rel:.3e} (tol {self.rel_tol})")
+        head = (
+            f"features {self.name} {'PASS' if self.passed else 'FAIL'}: {self.rows} rows, max |delta| "
+            f"{self.max_abs:.3e}, max row-relative {self.max_rel:.3e} (tol {self.rel_tol})"
+        )
         if self.row_count is not None:
             head += f"; engine handed over {self.row_count[0]} rows, expected {self.row_count[1]}"
         if self.first_bad_row is not None:
-            head += (f"; {self.bad_rows} rows over tolerance, first at position {self.first_bad_row} "
-                     f"(row-relative {self.first_bad_rel:.3e}, from {self.first_bad_label or 'unlabelled'})")
+            head += (
+                f"; {self.bad_rows} rows over tolerance, first at position {self.first_bad_row} "
+                f"(row-relative {self.first_bad_rel:.3e}, from {self.first_bad_label or 'unlabelled'})"
+            )
         return head
 
     def assert_passes(self) -> None:
@@ -48,8 +53,14 @@ class FeatureReport:
             raise AssertionError(str(self))
 
 
-def feature_check(name: str, engine_rows: torch.Tensor, hf_rows: torch.Tensor, expected_rows: int | None = None,
-                  labels: Sequence[str] | None = None, rel_tol: float = FEATURE_REL_TOL) -> FeatureReport:
+def feature_check(
+    name: str,
+    engine_rows: torch.Tensor,
+    hf_rows: torch.Tensor,
+    expected_rows: int | None = None,
+    labels: Sequence[str] | None = None,
+    rel_tol: float = FEATURE_REL_TOL,
+) -> FeatureReport:
     """engine_rows [n, F*H] (positions 0..n-1) against hf_rows [>= n, F*H] (HF target_features of the same
     request's tokens). expected_rows: how many rows the engine should have handed over (e.g. the committed
     length); labels[p]: where row p came from, printed for the first bad row."""

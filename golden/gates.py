@@ -8,6 +8,7 @@ matter (KV misalignment, a mask leak, a wrong RoPE position) land far outside MA
 A pick missing from the reference top-k has an unknown logprob, at most the k-th logprob, so its regret is
 at least top1 - kth: the gates use that *lower bound* and mark the violation `in_topk=False`.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,7 @@ class Tolerances:
     note: str = ""  # where the numbers come from
 
 
-BF16 = Tolerances(margin=MARGIN_TOL, head_delta_mean=0.06, head_delta_p99=0.20,
-                  note="upstream bf16 GPU figures")
+BF16 = Tolerances(margin=MARGIN_TOL, head_delta_mean=0.06, head_delta_p99=0.20, note="upstream bf16 GPU figures")
 
 # fp32 on CPU differs from HF fp32 only by reduction order. Calibrated 2026-11-29 (torch 2.13.0 CPU,
 # transformers 5.24.0) on tiny-random, 48 sequences / 6417 teacher-forced positions, bs=1 and all 48 in one
@@ -40,8 +40,12 @@ BF16 = Tolerances(margin=MARGIN_TOL, head_delta_mean=0.06, head_delta_p99=0.20,
 # is 10x the observed figure rounded up to a power of ten (mean 1e-5 -> 1e-4 kept with headroom for other
 # pairs, p99 7e-5 -> 1e-4); the margin stays 1e-3 so an exact fp32 tie may still flip. The broken-model
 # tests (query RoPE +1, K/V one slot late) read mean 0.4-2.1 and max regret > 1: five orders above these.
-FP32 = Tolerances(margin=1e-3, head_delta_mean=1e-4, head_delta_p99=1e-4,
-                  note="fp32 CPU, calibrated 2026-11-29: observed mean 2e-6, p99 7e-6, max 1.4e-5, regret 0")
+FP32 = Tolerances(
+    margin=1e-3,
+    head_delta_mean=1e-4,
+    head_delta_p99=1e-4,
+    note="fp32 CPU, calibrated 2026-11-29: observed mean 2e-6, p99 7e-6, max 1.4e-5, regret 0",
+)
 
 # The acceptance gate's near-tie band (golden/acceptance.py): a verify step may commit a different number of
 # tokens than the acceptance golden only where the golden drafter's top-1 minus top-2 logit at the deciding
@@ -89,8 +93,7 @@ class Violation:
 
     def __str__(self) -> str:
         bound = "" if self.in_topk else " (pick outside reference top-k: lower bound)"
-        return (f"{self.name} pos {self.position}: pick {self.pick} vs top1 {self.top1}, "
-                f"regret {self.regret:.4f}{bound}")
+        return f"{self.name} pos {self.position}: pick {self.pick} vs top1 {self.top1}, regret {self.regret:.4f}{bound}"
 
 
 def _regret(ref_ids: Sequence[int], ref_lps: Sequence[float], pick: int) -> tuple[float, bool]:
@@ -123,17 +126,18 @@ class GateReport:
 
     @property
     def passed(self) -> bool:
-        return (not self.violations and self.mean <= self.tol.head_delta_mean
-                and self.p99 <= self.tol.head_delta_p99)
+        return not self.violations and self.mean <= self.tol.head_delta_mean and self.p99 <= self.tol.head_delta_p99
 
     def __str__(self) -> str:
         t = self.tol
-        lines = [f"hf_gate {'PASS' if self.passed else 'FAIL'}: {self.positions} positions; "
-                 f"head delta (engine top-{HEAD_TOP_N}) mean {self.mean:.6f} (tol {t.head_delta_mean}), "
-                 f"p99 {self.p99:.6f} (tol {t.head_delta_p99}), max {self.max:.6f}; "
-                 f"max argmax regret {self.max_regret:.6f} (margin {t.margin}); "
-                 f"head tokens missing from HF top-k: {self.missing_from_hf}; "
-                 f"violations: {len(self.violations)}  [{t.note}]"]
+        lines = [
+            f"hf_gate {'PASS' if self.passed else 'FAIL'}: {self.positions} positions; "
+            f"head delta (engine top-{HEAD_TOP_N}) mean {self.mean:.6f} (tol {t.head_delta_mean}), "
+            f"p99 {self.p99:.6f} (tol {t.head_delta_p99}), max {self.max:.6f}; "
+            f"max argmax regret {self.max_regret:.6f} (margin {t.margin}); "
+            f"head tokens missing from HF top-k: {self.missing_from_hf}; "
+            f"violations: {len(self.violations)}  [{t.note}]"
+        ]
         if self.coverage is not None:
             lines.append(f"  coverage: {self.coverage}")
         lines += [f"  violation: {v}" for v in self.violations[:20]]
@@ -147,8 +151,13 @@ class GateReport:
             raise AssertionError(str(self))
 
 
-def hf_gate(engine: Sequence[TopKRecord], hf: Sequence[TopKRecord], tol: Tolerances = BF16,
-            worst_n: int = 5, names: Sequence[str] | None = None) -> GateReport:
+def hf_gate(
+    engine: Sequence[TopKRecord],
+    hf: Sequence[TopKRecord],
+    tol: Tolerances = BF16,
+    worst_n: int = 5,
+    names: Sequence[str] | None = None,
+) -> GateReport:
     """Gate teacher-forced engine records against HF records of the same names and token ids.
 
     Coverage is enforced (golden/coverage.py): the engine must write one record, with k >= 8, for every HF
@@ -158,12 +167,15 @@ def hf_gate(engine: Sequence[TopKRecord], hf: Sequence[TopKRecord], tol: Toleran
     HF's k-th logprob (its true HF logprob is at most that, so when the engine rates it higher this
     under-states the true delta: such tokens are counted in `missing_from_hf` so a reader sees them).
     """
-    pairs, coverage = match_records(engine, hf, what="HF", ids=lambda r: r.token_ids, ids_label="token_ids",
-                                    names=names)
+    pairs, coverage = match_records(
+        engine, hf, what="HF", ids=lambda r: r.token_ids, ids_label="token_ids", names=names
+    )
     narrow = [f"{e.name} (k={e.k})" for e, _ in pairs if e.k < HEAD_TOP_N]
     if narrow:
-        raise CoverageError(f"engine records need k >= {HEAD_TOP_N} top tokens per row for the head deltas; "
-                            f"{len(narrow)} have fewer: {', '.join(narrow[:8])}")
+        raise CoverageError(
+            f"engine records need k >= {HEAD_TOP_N} top tokens per row for the head deltas; "
+            f"{len(narrow)} have fewer: {', '.join(narrow[:8])}"
+        )
     report = GateReport(tol=tol, coverage=coverage)
     deltas: list[tuple[float, str, int, int]] = []
     for rec, ref in pairs:
@@ -209,13 +221,17 @@ class RegretReport:
 
     def __str__(self) -> str:
         where = "none (identical)" if self.first_divergence is None else str(self.first_divergence)
-        lines = [f"regret gate {self.name} {'PASS' if self.passed else 'FAIL'}: first divergence {where}, "
-                 f"regret {self.first_regret:.6f} (tol {self.tol}); reanchor {self.reanchor}: gated "
-                 f"{self.gated} positions, tie flips {self.tie_flips}, max regret {self.max_regret:.6f}, "
-                 f"violations {len(self.violations)}"]
+        lines = [
+            f"regret gate {self.name} {'PASS' if self.passed else 'FAIL'}: first divergence {where}, "
+            f"regret {self.first_regret:.6f} (tol {self.tol}); reanchor {self.reanchor}: gated "
+            f"{self.gated} positions, tie flips {self.tie_flips}, max regret {self.max_regret:.6f}, "
+            f"violations {len(self.violations)}"
+        ]
         if self.length_mismatch is not None:
-            lines.append(f"  same tokens but different lengths: baseline {self.length_mismatch[0]}, "
-                         f"spec {self.length_mismatch[1]}")
+            lines.append(
+                f"  same tokens but different lengths: baseline {self.length_mismatch[0]}, "
+                f"spec {self.length_mismatch[1]}"
+            )
         lines += [f"  violation: {v}" for v in self.violations[:20]]
         return "\n".join(lines)
 
@@ -224,10 +240,15 @@ class RegretReport:
             raise AssertionError(str(self))
 
 
-def first_divergence_regret_gate(prompt_ids: Sequence[int], baseline_ids: Sequence[int],
-                                 spec_ids: Sequence[int], score_fn: Callable[[list[int]], TopKLike],
-                                 tol: float = MARGIN_TOL, reanchor: bool = True,
-                                 name: str = "") -> RegretReport:
+def first_divergence_regret_gate(
+    prompt_ids: Sequence[int],
+    baseline_ids: Sequence[int],
+    spec_ids: Sequence[int],
+    score_fn: Callable[[list[int]], TopKLike],
+    tol: float = MARGIN_TOL,
+    reanchor: bool = True,
+    name: str = "",
+) -> RegretReport:
     """Gate spec-on output against spec-off at their first divergence (and, with reanchor, after it).
 
     baseline_ids / spec_ids are the generated tokens (no prompt). score_fn(ids) returns top-k rows for

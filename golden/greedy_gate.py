@@ -5,6 +5,7 @@ first divergent generated position and the tokens around it on both sides. (Unde
 divergence instead: golden.gates.first_divergence_regret_gate tells a tie flip from a bug.)
 Coverage is enforced as in every gate (golden/coverage.py).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -27,9 +28,11 @@ class GreedyMismatch:
     want: list[int]
 
     def __str__(self) -> str:
-        return (f"{self.name}: first divergence at generated position {self.position} (lengths got "
-                f"{self.got_len}, want {self.want_len}); tokens from position {self.context_start}: got "
-                f"{self.got} want {self.want}")
+        return (
+            f"{self.name}: first divergence at generated position {self.position} (lengths got "
+            f"{self.got_len}, want {self.want_len}); tokens from position {self.context_start}: got "
+            f"{self.got} want {self.want}"
+        )
 
 
 @dataclass
@@ -45,8 +48,10 @@ class GreedyReport:
         return not self.mismatches
 
     def __str__(self) -> str:
-        lines = [f"greedy gate {'PASS' if self.passed else 'FAIL'}: {self.identical} of {self.records} records "
-                 f"identical ({self.coverage}), {self.tokens} golden tokens; mismatches {len(self.mismatches)}"]
+        lines = [
+            f"greedy gate {'PASS' if self.passed else 'FAIL'}: {self.identical} of {self.records} records "
+            f"identical ({self.coverage}), {self.tokens} golden tokens; mismatches {len(self.mismatches)}"
+        ]
         lines += [f"  {m}" for m in self.mismatches[:20]]
         if len(self.mismatches) > 20:
             lines.append(f"  ... {len(self.mismatches) - 20} more mismatches")
@@ -57,11 +62,13 @@ class GreedyReport:
             raise AssertionError(str(self))
 
 
-def greedy_gate(engine: Sequence[GreedyRecord], golden: Sequence[GreedyRecord],
-                names: Sequence[str] | None = None) -> GreedyReport:
+def greedy_gate(
+    engine: Sequence[GreedyRecord], golden: Sequence[GreedyRecord], names: Sequence[str] | None = None
+) -> GreedyReport:
     """Exact match of output_ids per record (same prompt_ids required; `names` gates an explicit subset)."""
-    pairs, coverage = match_records(engine, golden, what="greedy golden", ids=lambda r: r.prompt_ids,
-                                    ids_label="prompt_ids", names=names)
+    pairs, coverage = match_records(
+        engine, golden, what="greedy golden", ids=lambda r: r.prompt_ids, ids_label="prompt_ids", names=names
+    )
     report = GreedyReport(coverage=coverage)
     for e, g in pairs:
         report.records += 1
@@ -71,7 +78,15 @@ def greedy_gate(engine: Sequence[GreedyRecord], golden: Sequence[GreedyRecord],
             report.identical += 1
             continue
         lo = max(0, d - CONTEXT)
-        report.mismatches.append(GreedyMismatch(g.name, d, len(e.output_ids), len(g.output_ids), lo,
-                                                list(e.output_ids[lo:d + CONTEXT + 1]),
-                                                list(g.output_ids[lo:d + CONTEXT + 1])))
+        report.mismatches.append(
+            GreedyMismatch(
+                g.name,
+                d,
+                len(e.output_ids),
+                len(g.output_ids),
+                lo,
+                list(e.output_ids[lo : d + CONTEXT + 1]),
+                list(g.output_ids[lo : d + CONTEXT + 1]),
+            )
+        )
     return report

@@ -4,6 +4,7 @@ Everything runs one sequence at a time (batch 1, no padding, so no attention-mas
 `attn_implementation="eager"`, fp32 on CPU unless a dtype is given. Models load from local directories
 only (HF_HUB_OFFLINE=1) and are cached per (directory, dtype, device).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,9 @@ DEFAULT_K = 20
 
 @functools.lru_cache(maxsize=8)
 def _load(model_dir: str, dtype: torch.dtype, device: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager", local_files_only=True
+    )
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' .to() typing wraps the device
 
 
@@ -47,8 +49,13 @@ def _topk_record(name: str, ids: Sequence[int], logits: torch.Tensor, k: int) ->
 
 
 @torch.inference_mode()
-def teacher_forced_topk(model_dir: str | Path, sequences: Mapping[str, Sequence[int]], k: int = DEFAULT_K,
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> list[TopKRecord]:
+def teacher_forced_topk(
+    model_dir: str | Path,
+    sequences: Mapping[str, Sequence[int]],
+    k: int = DEFAULT_K,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[TopKRecord]:
     """One forward per sequence; row p = top-k logprobs of the next token after ids[:p+1]."""
     model = load_model(model_dir, dtype, device)
     records = []
@@ -58,8 +65,9 @@ def teacher_forced_topk(model_dir: str | Path, sequences: Mapping[str, Sequence[
     return records
 
 
-def score_fn(model_dir: str | Path, k: int = DEFAULT_K, dtype: torch.dtype = torch.float32,
-             device: str = "cpu") -> Callable[[Sequence[int]], TopKRecord]:
+def score_fn(
+    model_dir: str | Path, k: int = DEFAULT_K, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Callable[[Sequence[int]], TopKRecord]:
     """A `score_fn` for gates.first_divergence_regret_gate: ids -> teacher-forced TopKRecord."""
 
     def score(ids: Sequence[int]) -> TopKRecord:
@@ -77,9 +85,14 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> frozenset[int]:
 
 
 @torch.inference_mode()
-def greedy_ids(model_dir: str | Path, prompt_ids: Sequence[int], max_new_tokens: int,
-               eos_token_id: int | Sequence[int] | None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu") -> list[int]:
+def greedy_ids(
+    model_dir: str | Path,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[int]:
     """Plain greedy with HF's KV cache: prefill, then one token per forward. Stops after an EOS
     (which is kept) or after max_new_tokens. No generation_config is consulted: this is the bare loop."""
     if max_new_tokens <= 0:
@@ -100,18 +113,33 @@ def greedy_ids(model_dir: str | Path, prompt_ids: Sequence[int], max_new_tokens:
         out = model(torch.tensor([[token]], device=device), use_cache=True, **{cache_kw: cache})
 
 
-def greedy(model_dir: str | Path, prompts: Mapping[str, Sequence[int]], max_new_tokens: int,
-           eos_token_id: int | Sequence[int] | None, dtype: torch.dtype = torch.float32,
-           device: str = "cpu") -> list[GreedyRecord]:
+def greedy(
+    model_dir: str | Path,
+    prompts: Mapping[str, Sequence[int]],
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[GreedyRecord]:
     """greedy_ids for each named prompt; eos_token_id=None runs every prompt to max_new_tokens."""
-    return [GreedyRecord(name=name, prompt_ids=list(ids),
-                         output_ids=greedy_ids(model_dir, ids, max_new_tokens, eos_token_id, dtype, device))
-            for name, ids in prompts.items()]
+    return [
+        GreedyRecord(
+            name=name,
+            prompt_ids=list(ids),
+            output_ids=greedy_ids(model_dir, ids, max_new_tokens, eos_token_id, dtype, device),
+        )
+        for name, ids in prompts.items()
+    ]
 
 
 @torch.inference_mode()
-def target_forward(model_dir: str | Path, ids: Sequence[int], layer_ids: Sequence[int],
-                   dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward(
+    model_dir: str | Path,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One dense forward: (logits [n, V], tap features [n, len(layer_ids) * H]).
 
     The tap for id L is the *output of decoder layer L* (residual stream, before the final norm), which is
@@ -128,6 +156,7 @@ def target_forward(model_dir: str | Path, ids: Sequence[int], layer_ids: Sequenc
     def hook_for(layer_id: int):
         def hook(_module, _args, output):
             captured[layer_id] = output[0] if isinstance(output, tuple) else output  # [1, n, H]
+
         return hook
 
     handles = [layers[L].register_forward_hook(hook_for(L)) for L in set(layer_ids)]
@@ -140,7 +169,12 @@ def target_forward(model_dir: str | Path, ids: Sequence[int], layer_ids: Sequenc
     return logits, features
 
 
-def target_features(model_dir: str | Path, ids: Sequence[int], layer_ids: Sequence[int],
-                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+def target_features(
+    model_dir: str | Path,
+    ids: Sequence[int],
+    layer_ids: Sequence[int],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> torch.Tensor:
     """Concat of the outputs of target layers `layer_ids` (HF hidden_states[L+1]): [n, len(layer_ids) * H]."""
     return target_forward(model_dir, ids, layer_ids, dtype, device)[1]

@@ -4,6 +4,7 @@ Nothing is cached between calls: every draft recomputes the context K/V from the
 and every verify recomputes the target densely with HF. That makes the oracle obviously a pure function
 of its inputs, which is the point: it is the thing a fast engine's drafter is compared against.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,7 +59,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, d/2]
     emb = torch.cat([angles, angles], dim=-1)  # [T, d]
     cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)  # [T, 1, d]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
@@ -81,13 +82,17 @@ class DraftGeometry:
         scaling = cfg.get("rope_scaling") or {}
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             raise NotImplementedError(f"oracle drafter supports default RoPE only, config has {scaling}")
-        return cls(block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
-                   mask_token_id=int(dflash["mask_token_id"]),
-                   target_layer_ids=[int(x) for x in dflash["target_layer_ids"]],
-                   num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
-                   num_kv_heads=int(cfg["num_key_value_heads"]), head_dim=int(cfg["head_dim"]),
-                   rms_norm_eps=float(cfg["rms_norm_eps"]),
-                   rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))))
+        return cls(
+            block_size=int(cfg.get("block_size", dflash.get("block_size", 16))),
+            mask_token_id=int(dflash["mask_token_id"]),
+            target_layer_ids=[int(x) for x in dflash["target_layer_ids"]],
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=int(cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+        )
 
 
 class OracleDFlash:
@@ -110,11 +115,19 @@ class OracleDFlash:
 
     def context_projection(self, context_features: torch.Tensor) -> torch.Tensor:
         """§3.2: hidden_norm(fc(feat)). [n, F*H] -> [n, H]."""
-        return _rms_norm(self._linear("fc.weight", context_features.to(self.dtype)),
-                         self.w["hidden_norm.weight"], self.geom.rms_norm_eps)
+        return _rms_norm(
+            self._linear("fc.weight", context_features.to(self.dtype)),
+            self.w["hidden_norm.weight"],
+            self.geom.rms_norm_eps,
+        )
 
-    def hidden(self, context_features: torch.Tensor, context_positions: torch.Tensor,
-               block_ids: torch.Tensor, block_positions: torch.Tensor) -> torch.Tensor:
+    def hidden(
+        self,
+        context_features: torch.Tensor,
+        context_positions: torch.Tensor,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+    ) -> torch.Tensor:
         """The draft stack on explicit positions: context rows [n, F*H] at context_positions [n], block
         tokens [B] at block_positions [B] -> final-normed block hidden states z [B, H]."""
         g = self.geom
@@ -125,17 +138,26 @@ class OracleDFlash:
         for i in range(g.num_layers):
             p = f"layers.{i}."
             # §3.3 KV injection: the context skips input_layernorm; k_norm then RoPE at its own positions.
-            k_ctx = _rms_norm(self._linear(p + "self_attn.k_proj.weight", ctx).view(n, nkv, d),
-                              self.w[p + "self_attn.k_norm.weight"], eps)
+            k_ctx = _rms_norm(
+                self._linear(p + "self_attn.k_proj.weight", ctx).view(n, nkv, d),
+                self.w[p + "self_attn.k_norm.weight"],
+                eps,
+            )
             k_ctx = _rope(k_ctx, context_positions, g.rope_theta)  # [n, nkv, d]
             v_ctx = self._linear(p + "self_attn.v_proj.weight", ctx).view(n, nkv, d)  # no norm, no RoPE
             # §3.4 the block: q_norm / k_norm per head before RoPE at the block's absolute positions.
             u = _rms_norm(x, self.w[p + "input_layernorm.weight"], eps)
-            q = _rms_norm(self._linear(p + "self_attn.q_proj.weight", u).view(b, nh, d),
-                          self.w[p + "self_attn.q_norm.weight"], eps)
+            q = _rms_norm(
+                self._linear(p + "self_attn.q_proj.weight", u).view(b, nh, d),
+                self.w[p + "self_attn.q_norm.weight"],
+                eps,
+            )
             q = _rope(q, block_positions, g.rope_theta)  # [B, nh, d]
-            k_blk = _rms_norm(self._linear(p + "self_attn.k_proj.weight", u).view(b, nkv, d),
-                              self.w[p + "self_attn.k_norm.weight"], eps)
+            k_blk = _rms_norm(
+                self._linear(p + "self_attn.k_proj.weight", u).view(b, nkv, d),
+                self.w[p + "self_attn.k_norm.weight"],
+                eps,
+            )
             k_blk = _rope(k_blk, block_positions, g.rope_theta)  # [B, nkv, d]
             v_blk = self._linear(p + "self_attn.v_proj.weight", u).view(b, nkv, d)
             keys = torch.cat([k_ctx, k_blk], dim=0)  # [n+B, nkv, d]
@@ -157,8 +179,10 @@ class OracleDFlash:
         context_features [n, F*H] are the target taps of positions 0..start-1, so n must equal start."""
         n = context_features.shape[0]
         if n != start:
-            raise ValueError(f"context has {n} rows but the current token is at position {start}: "
-                             f"drafter context rows must equal the committed length")
+            raise ValueError(
+                f"context has {n} rows but the current token is at position {start}: "
+                f"drafter context rows must equal the committed length"
+            )
         bsz = self.geom.block_size
         block = torch.full((bsz,), self.geom.mask_token_id, dtype=torch.long)
         block[0] = current_token  # [current, MASK x (B-1)]
@@ -182,13 +206,18 @@ class OracleSpecRun:
     drafts: list[list[int]]  # the drafts verified at each step (already truncated to the span)
     committed_lengths: list[int]  # tokens each step committed: a + 1, cut right after an EOS
     draft_margins: list[list[float]]  # per step, drafter top-1 minus top-2 logit at each draft; [] per step
-                                      # when the drafter gives no logits (a scripted test drafter)
+    # when the drafter gives no logits (a scripted test drafter)
 
 
-def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_ids: Sequence[int],
-                         max_new_tokens: int, eos_token_id: int | Sequence[int] | None,
-                         dtype: torch.dtype = torch.float32,
-                         drafter: OracleDFlash | None = None) -> OracleSpecRun:
+def oracle_spec_generate(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_id: int | Sequence[int] | None,
+    dtype: torch.dtype = torch.float32,
+    drafter: OracleDFlash | None = None,
+) -> OracleSpecRun:
     """The reference loop of dflash.md §4.1, with the HF target recomputed densely at every step.
 
     The drafter always drafts a full block; a step with `remaining` budget verifies a span of
@@ -220,7 +249,7 @@ def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_i
             margins_log.append([])
         ids = prompt + out + drafts  # verify [current, d_1..d_{S-1}] on top of the committed prefix
         logits, feats = hf_reference.target_forward(target_dir, ids, taps, dtype)
-        post = logits[start:start + span].argmax(-1).tolist()  # [S]: post[j] predicts position start+j+1
+        post = logits[start : start + span].argmax(-1).tolist()  # [S]: post[j] predicts position start+j+1
         a = 0
         while a < len(drafts) and drafts[a] == post[a]:
             a += 1
@@ -234,5 +263,10 @@ def oracle_spec_generate(target_dir: str | Path, draft_dir: str | Path, prompt_i
                 break
         committed_log.append(len(out) - before)
         context = feats[: start + a + 1]  # + rows of [current, d_1..d_a]; the bonus has no taps yet
-    return OracleSpecRun(output_ids=out, accepted_lengths=taus, drafts=drafts_log, committed_lengths=committed_log,
-                         draft_margins=margins_log)
+    return OracleSpecRun(
+        output_ids=out,
+        accepted_lengths=taus,
+        drafts=drafts_log,
+        committed_lengths=committed_log,
+        draft_margins=margins_log,
+    )

@@ -21,6 +21,7 @@ committed (accepted drafts + the bonus, cut right after an EOS), so 1 + sum(acce
 len(output_ids) (the first token comes from prefill). `draft_margins` (goldens only; optional for an
 engine) holds, per step, the drafter's top-1 minus top-2 logit at each drafted position of the span.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -48,8 +49,10 @@ class TopKRecord:
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if len(self.topk_ids) != n or len(self.topk_logprobs) != n:
-            raise ValueError(f"{self.name}: {n} tokens but {len(self.topk_ids)} topk_ids rows and "
-                             f"{len(self.topk_logprobs)} topk_logprobs rows (want one row per position)")
+            raise ValueError(
+                f"{self.name}: {n} tokens but {len(self.topk_ids)} topk_ids rows and "
+                f"{len(self.topk_logprobs)} topk_logprobs rows (want one row per position)"
+            )
         for p, (ids, lps) in enumerate(zip(self.topk_ids, self.topk_logprobs)):
             if len(ids) != len(lps) or not ids:
                 raise ValueError(f"{self.name} row {p}: {len(ids)} ids vs {len(lps)} logprobs")
@@ -69,15 +72,21 @@ class TopKRecord:
             return None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "token_ids": list(self.token_ids), "topk_ids": self.topk_ids,
-                "topk_logprobs": [[round(float(v), LOGPROB_DECIMALS) for v in row]
-                                  for row in self.topk_logprobs]}
+        return {
+            "name": self.name,
+            "token_ids": list(self.token_ids),
+            "topk_ids": self.topk_ids,
+            "topk_logprobs": [[round(float(v), LOGPROB_DECIMALS) for v in row] for row in self.topk_logprobs],
+        }
 
     @classmethod
     def from_json(cls, obj: dict) -> TopKRecord:
-        return cls(name=str(obj["name"]), token_ids=[int(t) for t in obj["token_ids"]],
-                   topk_ids=[[int(t) for t in row] for row in obj["topk_ids"]],
-                   topk_logprobs=[[float(v) for v in row] for row in obj["topk_logprobs"]])
+        return cls(
+            name=str(obj["name"]),
+            token_ids=[int(t) for t in obj["token_ids"]],
+            topk_ids=[[int(t) for t in row] for row in obj["topk_ids"]],
+            topk_logprobs=[[float(v) for v in row] for row in obj["topk_logprobs"]],
+        )
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,11 @@ class GreedyRecord:
 
     @classmethod
     def from_json(cls, obj: dict) -> GreedyRecord:
-        return cls(name=str(obj["name"]), prompt_ids=[int(t) for t in obj["prompt_ids"]],
-                   output_ids=[int(t) for t in obj["output_ids"]])
+        return cls(
+            name=str(obj["name"]),
+            prompt_ids=[int(t) for t in obj["prompt_ids"]],
+            output_ids=[int(t) for t in obj["output_ids"]],
+        )
 
 
 @dataclass(frozen=True)
@@ -111,12 +123,15 @@ class AcceptanceRecord:
         if any(a < 1 for a in self.accepted_lengths):
             raise RecordError(f"{self.name}: accepted lengths must be >= 1, got {self.accepted_lengths}")
         if 1 + sum(self.accepted_lengths) != len(self.output_ids):
-            raise RecordError(f"{self.name}: 1 + sum(accepted_lengths) = {1 + sum(self.accepted_lengths)} but "
-                              f"{len(self.output_ids)} output ids (the first token comes from prefill, every "
-                              f"later one from a verify step)")
+            raise RecordError(
+                f"{self.name}: 1 + sum(accepted_lengths) = {1 + sum(self.accepted_lengths)} but "
+                f"{len(self.output_ids)} output ids (the first token comes from prefill, every "
+                f"later one from a verify step)"
+            )
         if self.draft_margins and len(self.draft_margins) != len(self.accepted_lengths):
-            raise RecordError(f"{self.name}: {len(self.draft_margins)} draft_margins rows for "
-                              f"{len(self.accepted_lengths)} steps")
+            raise RecordError(
+                f"{self.name}: {len(self.draft_margins)} draft_margins rows for {len(self.accepted_lengths)} steps"
+            )
 
     @property
     def tau(self) -> float:
@@ -124,18 +139,25 @@ class AcceptanceRecord:
         return sum(self.accepted_lengths) / len(self.accepted_lengths) if self.accepted_lengths else 0.0
 
     def to_json(self) -> dict:
-        out = {"name": self.name, "prompt_ids": list(self.prompt_ids), "output_ids": list(self.output_ids),
-               "accepted_lengths": list(self.accepted_lengths)}
+        out = {
+            "name": self.name,
+            "prompt_ids": list(self.prompt_ids),
+            "output_ids": list(self.output_ids),
+            "accepted_lengths": list(self.accepted_lengths),
+        }
         if self.draft_margins:
             out["draft_margins"] = [[round(float(v), LOGPROB_DECIMALS) for v in row] for row in self.draft_margins]
         return out
 
     @classmethod
     def from_json(cls, obj: dict) -> AcceptanceRecord:
-        return cls(name=str(obj["name"]), prompt_ids=[int(t) for t in obj["prompt_ids"]],
-                   output_ids=[int(t) for t in obj["output_ids"]],
-                   accepted_lengths=[int(a) for a in obj["accepted_lengths"]],
-                   draft_margins=[[float(v) for v in row] for row in obj.get("draft_margins", [])])
+        return cls(
+            name=str(obj["name"]),
+            prompt_ids=[int(t) for t in obj["prompt_ids"]],
+            output_ids=[int(t) for t in obj["output_ids"]],
+            accepted_lengths=[int(a) for a in obj["accepted_lengths"]],
+            draft_margins=[[float(v) for v in row] for row in obj.get("draft_margins", [])],
+        )
 
 
 Record = TopKRecord | GreedyRecord | AcceptanceRecord

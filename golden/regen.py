@@ -11,6 +11,7 @@ the prompt recipe). Pairs with a trained drafter also get acceptance.jsonl (gold
 
     python -m golden.regen --pair tiny-trained --part acceptance   # only the acceptance goldens
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ GREEDY_FILE, TOPK_FILE, MANIFEST_FILE = "greedy.jsonl", "topk.jsonl.gz", "manife
 
 # Text prompts for pairs with a tokenizer (a trained pair); the chat one uses Qwen3's ChatML framing.
 TEXT_PROMPTS = {
-    "code-fib": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "code-fib": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "code-sort": "# Sort a list of (name, age) pairs by age, then by name.\npeople = [",
     "code-class": "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
     "prose-river": "The river wound slowly through the valley, and on its banks",
@@ -95,17 +96,22 @@ class PairSpec:
 def pair_spec(name: str, fixtures_root: Path = FIXTURES) -> PairSpec:
     root = fixtures_root / name
     if not (root / "target" / "config.json").exists():
-        raise FileNotFoundError(f"no model pair {name!r}: {root}/target/config.json missing; "
-                                f"pairs here: {available_pairs(fixtures_root)}")
+        raise FileNotFoundError(
+            f"no model pair {name!r}: {root}/target/config.json missing; pairs here: {available_pairs(fixtures_root)}"
+        )
     return PairSpec(name=name, target_dir=root / "target", draft_dir=root / "draft")
 
 
 def spec_from_manifest(spec: PairSpec, manifest: dict) -> PairSpec:
     """The spec the stored goldens were made with (seed, count, k, continuation), for --check."""
-    return dataclasses.replace(spec, seed=manifest["seed"], k=manifest["k"],
-                               num_random=manifest["prompt_recipe"]["random"]["count"],
-                               continuation_tokens=manifest["continuation_tokens"],
-                               dtype=getattr(torch, manifest["dtype"]))
+    return dataclasses.replace(
+        spec,
+        seed=manifest["seed"],
+        k=manifest["k"],
+        num_random=manifest["prompt_recipe"]["random"]["count"],
+        continuation_tokens=manifest["continuation_tokens"],
+        dtype=getattr(torch, manifest["dtype"]),
+    )
 
 
 def available_pairs(fixtures_root: Path = FIXTURES) -> list[str]:
@@ -143,11 +149,17 @@ def text_prompts(spec: PairSpec) -> dict[str, list[int]]:
 
 
 def prompt_recipe(spec: PairSpec) -> dict:
-    return {"random": {"seed": spec.seed, "count": spec.num_random, "required_lengths": list(REQUIRED_LENGTHS),
-                       "other_lengths": "random.Random(seed).sample(3..254 minus required)",
-                       "tokens": "random.Random(seed).choice over ids except 0, BOS, EOS, MASK"},
-            "text": sorted(TEXT_PROMPTS) if spec.tokenizer_path else [],
-            "continuation": f"HF greedy, {spec.continuation_tokens} tokens, eos {spec.eos_token_id}"}
+    return {
+        "random": {
+            "seed": spec.seed,
+            "count": spec.num_random,
+            "required_lengths": list(REQUIRED_LENGTHS),
+            "other_lengths": "random.Random(seed).sample(3..254 minus required)",
+            "tokens": "random.Random(seed).choice over ids except 0, BOS, EOS, MASK",
+        },
+        "text": sorted(TEXT_PROMPTS) if spec.tokenizer_path else [],
+        "continuation": f"HF greedy, {spec.continuation_tokens} tokens, eos {spec.eos_token_id}",
+    }
 
 
 def prompt_set(spec: PairSpec) -> dict[str, list[int]]:
@@ -163,8 +175,13 @@ def _sha256(path: Path) -> str:
 
 
 def weight_hashes(spec: PairSpec) -> dict[str, str]:
-    files = [p for d in (spec.target_dir, spec.draft_dir) if d.exists()
-             for p in sorted(d.iterdir()) if p.suffix in (".safetensors", ".json")]
+    files = [
+        p
+        for d in (spec.target_dir, spec.draft_dir)
+        if d.exists()
+        for p in sorted(d.iterdir())
+        if p.suffix in (".safetensors", ".json")
+    ]
     return {str(p.relative_to(spec.target_dir.parent)): _sha256(p) for p in files}
 
 
@@ -176,8 +193,9 @@ class GoldenSet:
     acceptance: list[AcceptanceRecord] = dataclasses.field(default_factory=list)  # trained pairs only
 
 
-def generate(spec: PairSpec, names: Sequence[str] | None = None, progress: bool = True,
-             acceptance: bool = True) -> GoldenSet:
+def generate(
+    spec: PairSpec, names: Sequence[str] | None = None, progress: bool = True, acceptance: bool = True
+) -> GoldenSet:
     """Run HF for the pair's prompts (only `names` when given): greedy, then teacher-forced top-k; then the
     oracle spec loop for the acceptance goldens when the pair wants them (and `acceptance`)."""
     prompts = prompt_set(spec)
@@ -185,17 +203,30 @@ def generate(spec: PairSpec, names: Sequence[str] | None = None, progress: bool 
         prompts = {n: prompts[n] for n in names}
     greedy, topk = [], []
     for name, ids in tqdm(prompts.items(), desc=f"golden {spec.name}", disable=not progress, unit="seq"):
-        g = hf_reference.greedy(spec.target_dir, {name: ids}, spec.continuation_tokens, spec.eos_token_id,
-                                dtype=spec.dtype)[0]
+        g = hf_reference.greedy(
+            spec.target_dir, {name: ids}, spec.continuation_tokens, spec.eos_token_id, dtype=spec.dtype
+        )[0]
         greedy.append(g)
-        topk += hf_reference.teacher_forced_topk(spec.target_dir, {name: ids + g.output_ids}, k=spec.k,
-                                                 dtype=spec.dtype)
-    manifest = {"pair": spec.name, "torch": torch.__version__, "transformers": transformers.__version__,
-                "dtype": str(spec.dtype).removeprefix("torch."), "device": "cpu", "attn_implementation": "eager",
-                "seed": spec.seed, "k": spec.k, "continuation_tokens": spec.continuation_tokens,
-                "eos_token_id": spec.eos_token_id, "sequences": len(greedy),
-                "positions": sum(len(r.token_ids) for r in topk), "weights_sha256": weight_hashes(spec),
-                "prompt_recipe": prompt_recipe(spec), "files": [GREEDY_FILE, TOPK_FILE]}
+        topk += hf_reference.teacher_forced_topk(
+            spec.target_dir, {name: ids + g.output_ids}, k=spec.k, dtype=spec.dtype
+        )
+    manifest = {
+        "pair": spec.name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dtype": str(spec.dtype).removeprefix("torch."),
+        "device": "cpu",
+        "attn_implementation": "eager",
+        "seed": spec.seed,
+        "k": spec.k,
+        "continuation_tokens": spec.continuation_tokens,
+        "eos_token_id": spec.eos_token_id,
+        "sequences": len(greedy),
+        "positions": sum(len(r.token_ids) for r in topk),
+        "weights_sha256": weight_hashes(spec),
+        "prompt_recipe": prompt_recipe(spec),
+        "files": [GREEDY_FILE, TOPK_FILE],
+    }
     golden = GoldenSet(manifest=manifest, greedy=greedy, topk=topk)
     if acceptance and wants_acceptance(spec):
         add_acceptance(golden, spec, progress)
@@ -225,8 +256,12 @@ def load_golden(pair: str, data_root: Path = DATA) -> GoldenSet:
         raise FileNotFoundError(f"no stored goldens for {pair!r} under {d}: run python -m golden.regen --pair {pair}")
     manifest = json.loads((d / MANIFEST_FILE).read_text())
     acceptance = read_acceptance_jsonl(d / ACCEPTANCE_FILE) if ACCEPTANCE_FILE in manifest["files"] else []
-    return GoldenSet(manifest=manifest, greedy=read_greedy_jsonl(d / GREEDY_FILE), topk=read_topk_jsonl(d / TOPK_FILE),
-                     acceptance=acceptance)
+    return GoldenSet(
+        manifest=manifest,
+        greedy=read_greedy_jsonl(d / GREEDY_FILE),
+        topk=read_topk_jsonl(d / TOPK_FILE),
+        acceptance=acceptance,
+    )
 
 
 def _compare_rows(name: str, stored: TopKRecord, live: TopKRecord, tol: float, stats: dict) -> list[str]:
@@ -239,15 +274,19 @@ def _compare_rows(name: str, stored: TopKRecord, live: TopKRecord, tol: float, s
         for tok in s.keys() & lv.keys():
             stats["max_delta"] = max(stats["max_delta"], abs(s[tok] - lv[tok]))
             if abs(s[tok] - lv[tok]) > tol:
-                errors.append(f"{name} pos {p} token {tok}: logprob stored {s[tok]:.6f} live {lv[tok]:.6f} "
-                              f"(|d| {abs(s[tok] - lv[tok]):.2e} > {tol})")
+                errors.append(
+                    f"{name} pos {p} token {tok}: logprob stored {s[tok]:.6f} live {lv[tok]:.6f} "
+                    f"(|d| {abs(s[tok] - lv[tok]):.2e} > {tol})"
+                )
         for only, other, which in ((s.keys() - lv.keys(), lv, "stored"), (lv.keys() - s.keys(), s, "live")):
             src = s if which == "stored" else lv
             for tok in only:
                 stats["boundary_swaps"] += 1
                 if src[tok] - min(other.values()) > tol:
-                    errors.append(f"{name} pos {p}: token {tok} (lp {src[tok]:.6f}) only in {which} top-k, "
-                                  f"other k-th lp {min(other.values()):.6f}")
+                    errors.append(
+                        f"{name} pos {p}: token {tok} (lp {src[tok]:.6f}) only in {which} top-k, "
+                        f"other k-th lp {min(other.values()):.6f}"
+                    )
         stats["positions"] += 1
     return errors
 
@@ -267,10 +306,14 @@ def compare(stored: GoldenSet, live: GoldenSet, tol: float = LOGPROB_TOL) -> tup
         if sg.prompt_ids != g.prompt_ids:
             errors.append(f"{g.name}: prompt ids differ (recipe changed?)")
         elif sg.output_ids != g.output_ids:
-            j = next((i for i, (a, b) in enumerate(zip(sg.output_ids, g.output_ids)) if a != b),
-                     min(len(sg.output_ids), len(g.output_ids)))
-            errors.append(f"{g.name}: greedy output differs first at generated index {j}: stored "
-                          f"{sg.output_ids[j:j + 3]} live {g.output_ids[j:j + 3]}")
+            j = next(
+                (i for i, (a, b) in enumerate(zip(sg.output_ids, g.output_ids)) if a != b),
+                min(len(sg.output_ids), len(g.output_ids)),
+            )
+            errors.append(
+                f"{g.name}: greedy output differs first at generated index {j}: stored "
+                f"{sg.output_ids[j : j + 3]} live {g.output_ids[j : j + 3]}"
+            )
     for t in live.topk:
         st = topk_by_name.get(t.name)
         if st is not None and st.token_ids == t.token_ids:
@@ -286,8 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--data-root", type=Path, default=DATA)
     ap.add_argument("--seed", type=int, default=PairSpec.seed)
     ap.add_argument("--continuation-tokens", type=int, default=PairSpec.continuation_tokens)
-    ap.add_argument("--part", choices=["all", "acceptance"], default="all",
-                    help="acceptance: only (re)write acceptance.jsonl from the stored greedy goldens")
+    ap.add_argument(
+        "--part",
+        choices=["all", "acceptance"],
+        default="all",
+        help="acceptance: only (re)write acceptance.jsonl from the stored greedy goldens",
+    )
     args = ap.parse_args(argv)
     spec = dataclasses.replace(pair_spec(args.pair), seed=args.seed, continuation_tokens=args.continuation_tokens)
     if args.part == "acceptance" and not args.check:
@@ -295,33 +342,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_acceptance(stored, spec_from_manifest(spec, stored.manifest))
         write_golden(stored, args.data_root / spec.name)
         a = stored.manifest["acceptance"]
-        print(f"wrote {a['records']} acceptance records, {a['steps']} steps (tau {a['tau']}) in {a['seconds']} s; "
-              f"deciding margins <= {a['draft_margin_tol']}: {a['deciding_margins_below_tol']} (min "
-                  f"{a['min_deciding_margin']})")
+        print(
+            f"wrote {a['records']} acceptance records, {a['steps']} steps (tau {a['tau']}) in {a['seconds']} s; "
+            f"deciding margins <= {a['draft_margin_tol']}: {a['deciding_margins_below_tol']} (min "
+            f"{a['min_deciding_margin']})"
+        )
         return 0
     if not args.check:
         golden = generate(spec)
         write_golden(golden, args.data_root / spec.name)
-        print(f"wrote {golden.manifest['sequences']} sequences, {golden.manifest['positions']} positions "
-              f"to {args.data_root / spec.name}")
+        print(
+            f"wrote {golden.manifest['sequences']} sequences, {golden.manifest['positions']} positions "
+            f"to {args.data_root / spec.name}"
+        )
         return 0
     stored = load_golden(spec.name, args.data_root)
     spec = spec_from_manifest(spec, stored.manifest)
     names = [r.name for r in stored.greedy]
     if args.limit:
         names = names[:: max(1, len(names) // args.limit)][: args.limit]
-    errors = [f"weights changed since the goldens were made: {f}" for f, h in weight_hashes(spec).items()
-              if stored.manifest["weights_sha256"].get(f) != h]
+    errors = [
+        f"weights changed since the goldens were made: {f}"
+        for f, h in weight_hashes(spec).items()
+        if stored.manifest["weights_sha256"].get(f) != h
+    ]
     live = generate(spec, names=names, acceptance=bool(stored.acceptance))
     cmp_errors, stats = compare(stored, live)
     errors += cmp_errors + compare_acceptance(stored.acceptance, live.acceptance)
-    versions = f"stored torch {stored.manifest['torch']} / transformers {stored.manifest['transformers']}, " \
-               f"live {torch.__version__} / {transformers.__version__}"
-    print(f"checked {stats['sequences']} sequences, {stats['positions']} positions: max |d logprob| "
-          f"{stats['max_delta']:.2e} (tol {LOGPROB_TOL}), boundary swaps {stats['boundary_swaps']}; {versions}")
+    versions = (
+        f"stored torch {stored.manifest['torch']} / transformers {stored.manifest['transformers']}, "
+        f"live {torch.__version__} / {transformers.__version__}"
+    )
+    print(
+        f"checked {stats['sequences']} sequences, {stats['positions']} positions: max |d logprob| "
+        f"{stats['max_delta']:.2e} (tol {LOGPROB_TOL}), boundary swaps {stats['boundary_swaps']}; {versions}"
+    )
     if live.acceptance:
-        print(f"checked {len(live.acceptance)} acceptance records, "
-              f"{sum(len(r.accepted_lengths) for r in live.acceptance)} steps")
+        print(
+            f"checked {len(live.acceptance)} acceptance records, "
+            f"{sum(len(r.accepted_lengths) for r in live.acceptance)} steps"
+        )
     for e in errors[:30]:
         print("MISMATCH", e)
     if errors:

@@ -1,4 +1,5 @@
 """refengine: a compact reference engine for DFlash speculative decoding on Qwen3."""
+
 from refengine.config import EngineConfig
 from refengine.engine import Engine
 from refengine.request import FinishReason, Request, RequestStatus, SamplingParams

@@ -11,6 +11,7 @@ scheduling, input packing, attention planning and kernel launches (the runner's 
 weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once.
 The last line printed is JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ def _timed_steps(engine, batch: int, prompt_len: int, warmup: int, steps: int, s
     rng = random.Random(seed)
     vocab = engine.target.cfg.vocab_size
     for _ in range(batch):
-        engine.add_request([rng.randrange(vocab - 1) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=1 + (warmup + steps) * 16, ignore_eos=True))
+        engine.add_request(
+            [rng.randrange(vocab - 1) for _ in range(prompt_len)],
+            SamplingParams(max_tokens=1 + (warmup + steps) * 16, ignore_eos=True),
+        )
     engine.step()  # prefill (all at once: max_prefill_tokens permitting)
     while engine.scheduler.waiting:
         engine.step()
@@ -53,24 +56,48 @@ def _timed_steps(engine, batch: int, prompt_len: int, warmup: int, steps: int, s
     return {"ms_per_step": wall * 1e3 / steps, **{k.replace("_s", "_ms"): v for k, v in delta.items()}}
 
 
-def run(target: str, draft: str | None, *, synthetic: bool, modes: list[str], batches: list[int],
-        prompt_len: int, warmup: int, steps: int, profile: bool) -> dict[str, Any]:
+def run(
+    target: str,
+    draft: str | None,
+    *,
+    synthetic: bool,
+    modes: list[str],
+    batches: list[int],
+    prompt_len: int,
+    warmup: int,
+    steps: int,
+    profile: bool,
+) -> dict[str, Any]:
     from refengine.engine import Engine
+
     bandwidth = measure_copy_bandwidth("cuda")
     rows = []
     for mode in modes:
-        for spec in ([False, True] if draft else [False]):
-            engine = Engine(EngineConfig(target, draft_path=draft if spec else None, device="cuda",
-                                         synthetic_weights=synthetic, graph_mode=mode, max_num_seqs=max(batches),
-                                         gpu_memory_utilization=0.5,  # step times need no large pool
-                                         max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32))
+        for spec in [False, True] if draft else [False]:
+            engine = Engine(
+                EngineConfig(
+                    target,
+                    draft_path=draft if spec else None,
+                    device="cuda",
+                    synthetic_weights=synthetic,
+                    graph_mode=mode,
+                    max_num_seqs=max(batches),
+                    gpu_memory_utilization=0.5,  # step times need no large pool
+                    max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32,
+                )
+            )
             weight_bytes = target_weight_bytes(engine.target)
             floor_ms = weight_bytes / bandwidth * 1e3
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
-                row = {"mode": mode, "kind": "dflash" if spec else "plain", "batch": b, **{
-                    k: round(v, 3) for k, v in t.items()}, "floor_ms": round(floor_ms, 3),
-                    "floor_ratio": round(floor_ms / t["ms_per_step"], 3)}
+                row = {
+                    "mode": mode,
+                    "kind": "dflash" if spec else "plain",
+                    "batch": b,
+                    **{k: round(v, 3) for k, v in t.items()},
+                    "floor_ms": round(floor_ms, 3),
+                    "floor_ratio": round(floor_ms / t["ms_per_step"], 3),
+                }
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
                 if profile and b == batches[0]:
@@ -84,16 +111,22 @@ def run(target: str, draft: str | None, *, synthetic: bool, modes: list[str], ba
 def _profile(engine, batch: int, prompt_len: int, label: str) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _timed_steps(engine, batch, prompt_len, warmup=2, steps=4, seed=99)
     print(f"\n--- profile: {label} ---", file=sys.stderr)
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60),
-          file=sys.stderr)
+    print(
+        prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60),
+        file=sys.stderr,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m refengine.bench_steps", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m refengine.bench_steps",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--target", required=True)
     p.add_argument("--draft")
     p.add_argument("--synthetic", action="store_true")
@@ -104,9 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
-    res = run(a.target, a.draft, synthetic=a.synthetic, modes=a.modes.split(","),
-              batches=[int(x) for x in a.batches.split(",")], prompt_len=a.prompt_len, warmup=a.warmup,
-              steps=a.steps, profile=a.profile)
+    res = run(
+        a.target,
+        a.draft,
+        synthetic=a.synthetic,
+        modes=a.modes.split(","),
+        batches=[int(x) for x in a.batches.split(",")],
+        prompt_len=a.prompt_len,
+        warmup=a.warmup,
+        steps=a.steps,
+        profile=a.profile,
+    )
     print(json.dumps(res))
     return 0
 

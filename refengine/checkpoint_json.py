@@ -3,6 +3,7 @@ the file, the field and the value, expected vs actual), and the stop ids HF gene
 
 config.py's ModelConfig.from_hf / DFlashConfig.from_hf parse through these helpers.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,15 @@ def read_config_json(path: str | Path) -> ConfigJson:
 
 
 def json_kind(v) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object",
-            type(None): "null"}.get(type(v), type(v).__name__)
+    return {
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "list",
+        dict: "object",
+        type(None): "null",
+    }.get(type(v), type(v).__name__)
 
 
 def where_of(cfg: dict, where: str) -> str:
@@ -54,8 +62,9 @@ def where_of(cfg: dict, where: str) -> str:
 
 
 def field_error(cfg: dict, where: str, key: str, value, expected: str) -> CheckpointError:
-    return CheckpointError(f"{where_of(cfg, where)}: field {key!r} is {value!r} (a JSON {json_kind(value)}), "
-                           f"expected {expected}")
+    return CheckpointError(
+        f"{where_of(cfg, where)}: field {key!r} is {value!r} (a JSON {json_kind(value)}), expected {expected}"
+    )
 
 
 def need_field(cfg: dict, where: str, key: str):

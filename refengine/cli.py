@@ -1,4 +1,5 @@
 """`refengine generate | memory | bench`: the command line."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ def _load_tokenizer(target: Path):
     if not (target / "tokenizer.json").is_file():
         return None
     from tokenizers import Tokenizer
+
     return Tokenizer.from_file(str(target / "tokenizer.json"))
 
 
@@ -24,8 +26,9 @@ def _parse_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.replace(",", " ").split()]
     except ValueError as e:
-        raise RefEngineError(f"this checkpoint has no tokenizer.json: give the prompt as token ids "
-                             f"('1 2 3' or '1,2,3'), got {text!r}") from e
+        raise RefEngineError(
+            f"this checkpoint has no tokenizer.json: give the prompt as token ids ('1 2 3' or '1,2,3'), got {text!r}"
+        ) from e
 
 
 def cmd_generate(args) -> int:
@@ -46,11 +49,15 @@ def cmd_generate(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = _load_tokenizer(Path(target))
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # fails before any load
-    prompt_text = decode_prompt_arg(args.prompt) if args.prompt is not None else (
-        "def fibonacci(n):" if tok else "1 2 3 4 5 6 7 8")
+    prompt_text = (
+        decode_prompt_arg(args.prompt)
+        if args.prompt is not None
+        else ("def fibonacci(n):" if tok else "1 2 3 4 5 6 7 8")
+    )
     prompt_ids = tok.encode(prompt_text).ids if tok else _parse_ids(prompt_text)
-    engine = Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device,
-                                 dtype=args.dtype))
+    engine = Engine(
+        EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, dtype=args.dtype)
+    )
     t0 = time.perf_counter()
     (req,) = engine.generate([prompt_ids], params)
     elapsed = time.perf_counter() - t0
@@ -60,18 +67,27 @@ def cmd_generate(args) -> int:
     text = tok.decode(req.output_ids) if tok else " ".join(map(str, req.output_ids))
     print(prompt_text + text if tok else text)
     n = len(req.output_ids)
-    print(f"\n[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | {device} {engine.config.torch_dtype_name} "
-          f"| finish {req.finish_reason.value if req.finish_reason else '?'} | target {target}]", file=sys.stderr)
+    print(
+        f"\n[{n} tokens in {elapsed:.2f}s: {n / elapsed:.1f} tok/s | {device} {engine.config.torch_dtype_name} "
+        f"| finish {req.finish_reason.value if req.finish_reason else '?'} | target {target}]",
+        file=sys.stderr,
+    )
     stats: dict[str, object] = {"tokens": n, "seconds": round(elapsed, 4), "tok_per_s": round(n / elapsed, 2)}
     if engine.proposer is not None:
         s = req.spec
         hist = " ".join(f"{k}:{v}" for k, v in sorted(s.accepted_hist.items()))
-        print(f"[dflash {draft}: tau {s.tau:.2f} tokens/verify over {s.verify_steps} steps | accepted-length "
-              f"histogram {hist} | draft {s.draft_s * 1e3:.1f} ms, verify {s.verify_s * 1e3:.1f} ms]",
-              file=sys.stderr)
-        stats.update(tau=round(s.tau, 3), verify_steps=s.verify_steps,
-                     accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
-                     draft_ms=round(s.draft_s * 1e3, 2), verify_ms=round(s.verify_s * 1e3, 2))
+        print(
+            f"[dflash {draft}: tau {s.tau:.2f} tokens/verify over {s.verify_steps} steps | accepted-length "
+            f"histogram {hist} | draft {s.draft_s * 1e3:.1f} ms, verify {s.verify_s * 1e3:.1f} ms]",
+            file=sys.stderr,
+        )
+        stats.update(
+            tau=round(s.tau, 3),
+            verify_steps=s.verify_steps,
+            accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
+            draft_ms=round(s.draft_s * 1e3, 2),
+            verify_ms=round(s.verify_s * 1e3, 2),
+        )
     print(json.dumps(stats))
     return 0
 
@@ -88,12 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="greedy generation (with DFlash when a drafter is given)")
     g.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")
-    g.add_argument("--dflash-draft-model-path", "--draft", type=Path, dest="dflash_draft_model_path",
-                   help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)")
+    g.add_argument(
+        "--dflash-draft-model-path",
+        "--draft",
+        type=Path,
+        dest="dflash_draft_model_path",
+        help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)",
+    )
     g.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
     g.add_argument("--prompt", help="prompt text (token ids when the checkpoint has no tokenizer)")
-    g.add_argument("--max-tokens", type=int, default=256,
-                   help="new tokens (default 256: the length the tiny pair's tau is measured at)")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="new tokens (default 256: the length the tiny pair's tau is measured at)",
+    )
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
@@ -101,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_parser(sub)
     add_bench_parser(sub)
     from refengine.server.cli import add_server_parsers  # the server's imports (fastapi) load only when run
+
     add_server_parsers(sub)
     return ap
 

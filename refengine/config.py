@@ -2,6 +2,7 @@
 
 Every config is a frozen dataclass validated at construction, so a bad value fails before any weight loads.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ GRAPH_MODES = ("eager", "piecewise", "full")
 @dataclass(frozen=True)
 class ModelConfig:
     """The Qwen3 geometry refengine needs, read from an HF config.json."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -50,13 +52,22 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise UnsupportedConfigError(f"{name}={getattr(self, name)} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedConfigError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}")
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim={self.head_dim} must be even for rotate-half RoPE")
 
@@ -78,7 +89,8 @@ class ModelConfig:
         arch = cfg.get("architectures") or []
         if cfg.get("model_type") != "qwen3":
             raise UnsupportedConfigError(
-                f"{where}: model_type={cfg.get('model_type')!r} ({arch}); refengine serves Qwen3 only")
+                f"{where}: model_type={cfg.get('model_type')!r} ({arch}); refengine serves Qwen3 only"
+            )
         if cfg.get("rope_scaling"):
             raise UnsupportedConfigError(f"{where}: rope_scaling={cfg['rope_scaling']} is not supported")
         rope = cfg.get("rope_parameters")  # the transformers 5 spelling of rope_theta + rope_scaling
@@ -96,22 +108,26 @@ class ModelConfig:
         theta = cfg["rope_theta"] if theta_key == "rope_theta" else rope.get("rope_theta")
         eps = cfg.get("rms_norm_eps")
         return cls(
-            vocab_size=int_field(cfg, where, "vocab_size"), hidden_size=hidden,
+            vocab_size=int_field(cfg, where, "vocab_size"),
+            hidden_size=hidden,
             intermediate_size=int_field(cfg, where, "intermediate_size"),
-            num_layers=int_field(cfg, where, "num_hidden_layers"), num_heads=heads,
+            num_layers=int_field(cfg, where, "num_hidden_layers"),
+            num_heads=heads,
             num_kv_heads=int_field(cfg, where, "num_key_value_heads", default=heads),
             head_dim=int_field(cfg, where, "head_dim", default=hidden // heads),
             rms_norm_eps=positive_float(cfg, where, "rms_norm_eps", 1e-6 if eps is None else eps),
             rope_theta=positive_float(cfg, where, theta_key, 1000000.0 if theta is None else theta),
             max_position_embeddings=int_field(cfg, where, "max_position_embeddings"),
             tie_word_embeddings=bool_field(cfg, where, "tie_word_embeddings", False),
-            eos_token_ids=token_ids_field(cfg, where, "eos_token_id"))
+            eos_token_ids=token_ids_field(cfg, where, "eos_token_id"),
+        )
 
 
 @dataclass(frozen=True)
 class DFlashConfig:
     """A DFlash drafter: a Qwen3-style stack without embeddings or LM head, fed by target features."""
-    model: ModelConfig           # the drafter's own layer geometry
+
+    model: ModelConfig  # the drafter's own layer geometry
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
@@ -142,11 +158,16 @@ class DFlashConfig:
         mask = dcfg.get("mask_token_id")
         if mask is None:
             raise CheckpointError(f"{where_of(cfg, 'drafter')}: lacks dflash_config.mask_token_id")
-        return cls(model=model, block_size=check_int(cfg, "drafter", "block_size", block),
-                   mask_token_id=check_int(cfg, "drafter", "dflash_config.mask_token_id", mask, minimum=0),
-                   target_layer_ids=tuple(check_int(cfg, "drafter", f"dflash_config.target_layer_ids[{i}]",
-                                                    v, minimum=0) for i, v in enumerate(ids)),
-                   num_target_layers=int_field(cfg, "drafter", "num_target_layers"))
+        return cls(
+            model=model,
+            block_size=check_int(cfg, "drafter", "block_size", block),
+            mask_token_id=check_int(cfg, "drafter", "dflash_config.mask_token_id", mask, minimum=0),
+            target_layer_ids=tuple(
+                check_int(cfg, "drafter", f"dflash_config.target_layer_ids[{i}]", v, minimum=0)
+                for i, v in enumerate(ids)
+            ),
+            num_target_layers=int_field(cfg, "drafter", "num_target_layers"),
+        )
 
     def check_fits(self, target: ModelConfig) -> None:
         """Fail at load, naming the mismatch, when this drafter cannot serve `target`."""
@@ -183,25 +204,26 @@ SPECULATION_MODES = ("fixed", "adaptive")
 @dataclass(frozen=True)
 class EngineConfig:
     """User knobs. `device` 'cpu' runs fp32 with the torch attention backend; 'cuda' bf16 with FlashInfer."""
+
     target_path: str
     draft_path: str | None = None
     device: str = "cpu"
-    dtype: str | None = None              # default: float32 on cpu, bfloat16 on cuda
+    dtype: str | None = None  # default: float32 on cpu, bfloat16 on cuda
     attention_backend: str | None = None  # "torch" | "flashinfer"; default by device
     page_size: int = DEFAULT_PAGE_SIZE
-    num_blocks: int | None = None         # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
+    num_blocks: int | None = None  # default: planned from device memory (cuda) or CPU_KV_BYTES (cpu)
     # cuda: the share of total memory the process may use (planned, then enforced as a cap on torch's
     # caching allocator)
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     # DFlash reservation: "lane" (what this engine allocates) or "upstream" (upstream's formula)
     memory_accounting: str = DEFAULT_MEMORY_ACCOUNTING
-    max_model_len: int | None = None      # cap on prompt + max_tokens (default: the models' window). On CUDA
-                                          # the planner profiles the longest forward the engine may run,
-                                          # max(max_prefill_tokens, context): cap it on small devices
-    synthetic_weights: bool = False       # random weights from config.json alone (benchmarks, memory tests)
+    max_model_len: int | None = None  # cap on prompt + max_tokens (default: the models' window). On CUDA
+    # the planner profiles the longest forward the engine may run,
+    # max(max_prefill_tokens, context): cap it on small devices
+    synthetic_weights: bool = False  # random weights from config.json alone (benchmarks, memory tests)
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_prefill_tokens: int = 8192
-    speculative: bool = True              # use the drafter when one is given
+    speculative: bool = True  # use the drafter when one is given
     # "fixed": every verify span is min(B, remaining); "adaptive": refengine.spec_decode.adaptive picks each
     # request's span (1..B) per step from measured step costs and its acceptance (greedy output unchanged)
     speculation: str = "fixed"
@@ -237,7 +259,8 @@ class EngineConfig:
         if self.acceptance_profile is not None:
             raise UnsupportedConfigError(
                 f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "
-                "(outputs are not greedy-exact); use `refengine bench --acceptance-profile NAME`")
+                "(outputs are not greedy-exact); use `refengine bench --acceptance-profile NAME`"
+            )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
 

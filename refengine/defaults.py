@@ -1,4 +1,5 @@
 """Where the embedded fixture pairs live (shipped inside the package tree; no network, ever)."""
+
 from __future__ import annotations
 
 from pathlib import Path

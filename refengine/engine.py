@@ -1,4 +1,5 @@
 """Engine: add_request / step / generate / score. One step = scheduler.schedule() -> runner.execute() -> commit()."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,19 +30,25 @@ from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_token_ids
 
 log = logging.getLogger("refengine")
-CPU_KV_BYTES = 256 * 1024 * 1024   # default KV pool on the CPU
+CPU_KV_BYTES = 256 * 1024 * 1024  # default KV pool on the CPU
 
 
 @dataclass(frozen=True)
 class ScoredSequence:
     """Teacher-forced scores of prompt + continuation: topk[p] is the top-k after token_ids[:p+1]."""
+
     token_ids: list[int]
     topk: list[TopK]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, *, proposer: Proposer | None = None,
-                 acceptance_override: AcceptanceOverride | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        proposer: Proposer | None = None,
+        acceptance_override: AcceptanceOverride | None = None,
+    ):
         """`proposer` replaces the DFlash lane (the test proposers use it); by default a drafter given in
         `config.draft_path` is loaded and speculates when `config.speculative`. `acceptance_override` is
         benchmark-only: `refengine bench --acceptance-profile` passes it (outputs stop being greedy-exact)."""
@@ -51,8 +58,9 @@ class Engine:
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedConfigError(f"device={config.device!r} but torch sees no CUDA device")
-        self.target = Qwen3Model.load(config.target_path, dtype=dtype, device=config.device,
-                                      synthetic=config.synthetic_weights)
+        self.target = Qwen3Model.load(
+            config.target_path, dtype=dtype, device=config.device, synthetic=config.synthetic_weights
+        )
         tcfg = self.target.cfg
         draft_cfg = None
         if config.draft_path:
@@ -62,21 +70,43 @@ class Engine:
         self.max_context = max_context_tokens(tcfg, spec_cfg, config.max_model_len)
         self.kv_plan: KvBudgetPlan | None = None
         num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
-        self.drafter = (DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
-                        if config.draft_path else None)
+        self.drafter = (
+            DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
+            if config.draft_path
+            else None
+        )
         self.proposer: Proposer | None = proposer
         if proposer is None and self.drafter is not None and config.speculative:
-            self.proposer = DFlashLane.create(self.drafter, context_blocks=num_blocks, max_requests=config.max_num_seqs,
-                                              page_size=config.page_size, backend=config.backend_name)
+            self.proposer = DFlashLane.create(
+                self.drafter,
+                context_blocks=num_blocks,
+                max_requests=config.max_num_seqs,
+                page_size=config.page_size,
+                backend=config.backend_name,
+            )
         span = self.proposer.block_size if self.proposer is not None else 1
-        self.pool = KvPool(tcfg.num_layers, num_blocks, config.page_size, tcfg.num_kv_heads, tcfg.head_dim,
-                           dtype, self.target.device, dummy_blocks=blocks_for(span, config.page_size))
+        self.pool = KvPool(
+            tcfg.num_layers,
+            num_blocks,
+            config.page_size,
+            tcfg.num_kv_heads,
+            tcfg.head_dim,
+            dtype,
+            self.target.device,
+            dummy_blocks=blocks_for(span, config.page_size),
+        )
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
-        self.scheduler = Scheduler(self.pool, self.proposer, vocab_size=tcfg.vocab_size,
-                                   eos_ids=read_stop_ids(config.target_path, tcfg),
-                                   max_context=self.max_context, max_num_seqs=config.max_num_seqs,
-                                   max_prefill_tokens=config.max_prefill_tokens,
-                                   speculation=config.speculation, acceptance_override=acceptance_override)
+        self.scheduler = Scheduler(
+            self.pool,
+            self.proposer,
+            vocab_size=tcfg.vocab_size,
+            eos_ids=read_stop_ids(config.target_path, tcfg),
+            max_context=self.max_context,
+            max_num_seqs=config.max_num_seqs,
+            max_prefill_tokens=config.max_prefill_tokens,
+            speculation=config.speculation,
+            acceptance_override=acceptance_override,
+        )
         self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs())
         self.scheduler.bind_timings(self.runner.timings)
         self._ids = itertools.count()
@@ -88,6 +118,7 @@ class Engine:
         c = self.target.cfg
         if self.target.device.type == "cuda":
             from refengine.memory.profile import cap_torch_allocator, plan_device_pool
+
             self.kv_plan = plan_device_pool(self.target, self.config, draft_cfg, self.max_context)
             cap_torch_allocator(self.kv_plan, self.target.device)
             return self.kv_plan.num_blocks
@@ -134,8 +165,12 @@ class Engine:
         if plan is not None:
             try:
                 result = self.runner.execute(plan)
-                validate_result(plan, result, self.target.cfg.vocab_size,
-                                self.proposer.staged_requests() if self.proposer is not None else set())
+                validate_result(
+                    plan,
+                    result,
+                    self.target.cfg.vocab_size,
+                    self.proposer.staged_requests() if self.proposer is not None else set(),
+                )
             except BaseException as e:
                 self._log_failure(plan, e)
                 try:
@@ -177,8 +212,9 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Request]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Request]:
         """Submit all prompts together and run to completion (continuous batching). Returns them in order."""
         plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):

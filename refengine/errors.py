@@ -1,4 +1,5 @@
 """Typed errors. Each message says what was wrong, with the numbers, and what to change."""
+
 from __future__ import annotations
 
 

@@ -1,4 +1,5 @@
 """Request, its sampling parameters, status and the per-request speculative statistics."""
+
 from __future__ import annotations
 
 import enum
@@ -20,9 +21,9 @@ class RequestStatus(enum.Enum):
 class FinishReason(enum.Enum):
     EOS = "eos"
     LENGTH = "length"
-    REJECTED = "rejected"    # never admitted (see RejectReason and the message)
-    ABORTED = "aborted"      # Engine.abort: the caller gave up on it
-    ERROR = "error"          # the steps it was part of failed (the message names the exception)
+    REJECTED = "rejected"  # never admitted (see RejectReason and the message)
+    ABORTED = "aborted"  # Engine.abort: the caller gave up on it
+    ERROR = "error"  # the steps it was part of failed (the message names the exception)
 
 
 class RejectReason(enum.Enum):
@@ -39,6 +40,7 @@ class SamplingParams:
     Validated at construction (refengine.validation): integers may be Python ints, numpy integer scalars or
     0-d torch integer tensors and are stored as int; bools, floats, strings and None are an
     InvalidRequestError naming the field and the value, as are out-of-range values."""
+
     max_tokens: int = 64
     temperature: float = 0.0
     logprobs: int = 0
@@ -55,7 +57,8 @@ class SamplingParams:
         put("temperature", as_real(self.temperature, "temperature"))
         if self.temperature != 0.0:
             raise InvalidRequestError(
-                f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented")
+                f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented"
+            )
         put("logprobs", as_int(self.logprobs, "logprobs"))
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..{MAX_LOGPROBS}")
@@ -68,11 +71,12 @@ class SamplingParams:
 @dataclass
 class SpecStats:
     """Acceptance statistics: tau = committed tokens per verify step."""
+
     verify_steps: int = 0
     committed_tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
     committed_per_step: list[int] = field(default_factory=list)  # per request: tokens committed by each verify
-    span_hist: Counter = field(default_factory=Counter)      # verify span chosen (adaptive: 1..B) -> steps
+    span_hist: Counter = field(default_factory=Counter)  # verify span chosen (adaptive: 1..B) -> steps
     draft_s: float = 0.0
     verify_s: float = 0.0
 
@@ -110,7 +114,7 @@ class Request:
     # Top-k per scored position: (ids, logprobs); prompt positions first when prompt_logprobs.
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
-    failed_steps: int = 0          # steps this request was part of that failed and were rolled back
+    failed_steps: int = 0  # steps this request was part of that failed and were rolled back
 
     @property
     def finished(self) -> bool:

@@ -11,6 +11,7 @@ FinishReason.ERROR and the exception in its message; requests outside the failed
 failure inside commit (validated first, so only a refengine bug) cannot be undone: abandon() finishes the
 plan's unfinished requests with ERROR and frees what they hold, leaving every other request intact.
 """
+
 from __future__ import annotations
 
 from collections import Counter, deque
@@ -29,9 +30,19 @@ MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with Finish
 
 
 class Scheduler:
-    def __init__(self, pool: KvPool, proposer: Proposer | None, *, vocab_size: int, eos_ids: tuple[int, ...],
-                 max_context: int, max_num_seqs: int, max_prefill_tokens: int, speculation: str = "fixed",
-                 acceptance_override: AcceptanceOverride | None = None):
+    def __init__(
+        self,
+        pool: KvPool,
+        proposer: Proposer | None,
+        *,
+        vocab_size: int,
+        eos_ids: tuple[int, ...],
+        max_context: int,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        speculation: str = "fixed",
+        acceptance_override: AcceptanceOverride | None = None,
+    ):
         """`speculation="adaptive"`: an AdaptivePolicy picks each verify span. `acceptance_override`:
         benchmark-only (refengine.bench passes it; EngineConfig cannot), replaces accept_greedy's m."""
         self.pool, self.proposer = pool, proposer
@@ -43,7 +54,7 @@ class Scheduler:
         self._done: list[Request] = []
         self.policy = AdaptivePolicy(proposer.block_size) if speculation == "adaptive" and proposer else None
         self.acceptance_override = acceptance_override
-        self.plan_counts: Counter = Counter()   # plan kind -> steps
+        self.plan_counts: Counter = Counter()  # plan kind -> steps
         self._timings: dict[str, float] | None = None
         self._seen: tuple[float, float] = (0.0, 0.0)
 
@@ -63,14 +74,17 @@ class Scheduler:
             return
         n, p = len(req.prompt_ids), req.params
         if n + p.max_tokens > self.max_context:
-            req.reject(RejectReason.CONTEXT_LENGTH,
-                       f"prompt {n} + max_tokens {p.max_tokens} = {n + p.max_tokens} > max context "
-                       f"{self.max_context} tokens")
+            req.reject(
+                RejectReason.CONTEXT_LENGTH,
+                f"prompt {n} + max_tokens {p.max_tokens} = {n + p.max_tokens} > max context {self.max_context} tokens",
+            )
         elif blocks_for(n + p.max_tokens, self.pool.page_size) > self.pool.num_blocks:
             need = blocks_for(n + p.max_tokens, self.pool.page_size)
-            req.reject(RejectReason.KV_BUDGET,
-                       f"prompt {n} + max_tokens {p.max_tokens} needs {need} KV blocks of "
-                       f"{self.pool.page_size} tokens; the pool holds {self.pool.num_blocks}")
+            req.reject(
+                RejectReason.KV_BUDGET,
+                f"prompt {n} + max_tokens {p.max_tokens} needs {need} KV blocks of "
+                f"{self.pool.page_size} tokens; the pool holds {self.pool.num_blocks}",
+            )
         else:
             self.waiting.append(req)
 
@@ -196,8 +210,9 @@ class Scheduler:
             else:  # benchmark-only (refengine bench --acceptance-profile): m drawn from the profile
                 forced = [self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
                 results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore, accepted=forced)
-            for (req_id, start, span), req, vr in zip(self.pool.speculative_view(plan.reservation),
-                                                      plan.requests, results):
+            for (req_id, start, span), req, vr in zip(
+                self.pool.speculative_view(plan.reservation), plan.requests, results
+            ):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
                 self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
                 req.spec.record(vr.committed, span)
@@ -216,8 +231,9 @@ class Scheduler:
         draft_s, verify_s = now[0] - self._seen[0], now[1] - self._seen[1]
         self._seen = now
         if self.policy is not None:
-            self.policy.observe_step(len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans),
-                                     draft_s, verify_s)
+            self.policy.observe_step(
+                len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans), draft_s, verify_s
+            )
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they
@@ -233,8 +249,10 @@ class Scheduler:
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
             if self.eligible(req) and self.active_proposer.context_rows(req.request_id) != kv:
-                raise AlignmentError(f"request {req.request_id}: drafter context rows "
-                                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}")
+                raise AlignmentError(
+                    f"request {req.request_id}: drafter context rows "
+                    f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"
+                )
 
     # ---- failure: undo a plan (see the module docstring for the policy) -----------------------------------
     def take_done(self) -> list[Request]:
@@ -270,10 +288,15 @@ class Scheduler:
             broken = None if isinstance(plan, PrefillPlan) else self._mismatch(r)
             if r.failed_steps >= MAX_FAILED_STEPS or broken:
                 self._drop(r)
-                why = (f"its state could not be rolled back ({broken})" if broken else
-                       f"{r.failed_steps} steps it was part of failed (at most {MAX_FAILED_STEPS - 1} is retried)")
-                r.finish(FinishReason.ERROR, f"request {r.request_id}: {why}; the last, {step}, raised "
-                                             f"{type(exc).__name__}: {exc}")
+                why = (
+                    f"its state could not be rolled back ({broken})"
+                    if broken
+                    else f"{r.failed_steps} steps it was part of failed (at most {MAX_FAILED_STEPS - 1} is retried)"
+                )
+                r.finish(
+                    FinishReason.ERROR,
+                    f"request {r.request_id}: {why}; the last, {step}, raised {type(exc).__name__}: {exc}",
+                )
                 self._done.append(r)
 
     def _mismatch(self, req: Request) -> str | None:
@@ -299,9 +322,12 @@ class Scheduler:
         for r in plan.requests:
             self._drop(r)
             if not r.finished:
-                r.finish(FinishReason.ERROR, f"request {r.request_id}: internal error in a step of "
-                                             f"{len(plan.requests)} requests (a refengine bug, not retried): "
-                                             f"{type(exc).__name__}: {exc}")
+                r.finish(
+                    FinishReason.ERROR,
+                    f"request {r.request_id}: internal error in a step of "
+                    f"{len(plan.requests)} requests (a refengine bug, not retried): "
+                    f"{type(exc).__name__}: {exc}",
+                )
             if id(r) not in done:
                 self._done.append(r)
 
@@ -314,8 +340,10 @@ class Scheduler:
         running = {r.request_id: r for r in self.running}
         waiting = {r.request_id: r for r in self.waiting}
         if len(running) != len(self.running) or len(waiting) != len(self.waiting) or running.keys() & waiting:
-            raise IntegrityError(f"a request is queued twice: running {[r.request_id for r in self.running]}, "
-                                 f"waiting {[r.request_id for r in self.waiting]}")
+            raise IntegrityError(
+                f"a request is queued twice: running {[r.request_id for r in self.running]}, "
+                f"waiting {[r.request_id for r in self.waiting]}"
+            )
         for rid, req in (*running.items(), *waiting.items()):
             want = RequestStatus.RUNNING if rid in running else RequestStatus.WAITING
             if req.status is not want:
@@ -329,8 +357,10 @@ class Scheduler:
                 raise IntegrityError(f"request {rid}: KV length {kv} != committed {req.committed_len}")
             need = blocks_for(kv, self.pool.page_size)
             if len(self.pool.table(rid)) != need:
-                raise IntegrityError(f"request {rid}: {len(self.pool.table(rid))} blocks for {kv} tokens "
-                                     f"(exactly {need} expected between steps)")
+                raise IntegrityError(
+                    f"request {rid}: {len(self.pool.table(rid))} blocks for {kv} tokens "
+                    f"(exactly {need} expected between steps)"
+                )
         if self.proposer is not None:
             spec = {rid for rid, r in running.items() if self.eligible(r)}
             staged = self.proposer.staged_requests()
@@ -342,5 +372,6 @@ class Scheduler:
             for rid in spec:
                 rows = self.proposer.context_rows(rid)
                 if rows != self.pool.seq_len[rid]:
-                    raise IntegrityError(f"request {rid}: drafter context rows {rows} "
-                                         f"!= committed KV {self.pool.seq_len[rid]}")
+                    raise IntegrityError(
+                        f"request {rid}: drafter context rows {rows} != committed KV {self.pool.seq_len[rid]}"
+                    )

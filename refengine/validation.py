@@ -5,6 +5,7 @@ Integers are Python ints, numpy integer scalars and 0-d torch integer tensors (a
 NOT an integer here (True would silently be token 1). Token ids must lie in 0..vocab_size-1: "outside the
 vocabulary" is said only of integers; a wrong type gets a type message naming the index and the type.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -40,8 +41,13 @@ def integer_or_none(value) -> int | None:
         return None
     if isinstance(value, numbers.Integral):  # int subclasses, numpy integer scalars
         return int(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() \
-            and not value.is_complex() and value.dtype != torch.bool:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    ):
         return int(value.item())
     return None
 
@@ -63,8 +69,7 @@ def as_bool(value, field: str) -> bool:
 
 def as_real(value, field: str) -> float:
     """A real number (int, float, numpy scalar, 0-d non-bool tensor) as float; bool and str refused."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool \
-            and not value.is_complex():
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
         return float(value.item())
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
         return float(value)
@@ -75,14 +80,20 @@ def validate_token_ids(ids, vocab_size: int, field: str) -> list[int]:
     """Token ids (a list, tuple, 1-d numpy array or 1-d torch tensor of integers) as a list of ints in
     0..vocab_size-1. Usable for prompts and for forced / scored continuation ids. Empty is allowed here."""
     if isinstance(ids, (str, bytes, bytearray)):
-        raise InvalidRequestError(f"{field}={_short(ids)} ({type_name(ids)}): expected a sequence of "
-                                  f"token ids (tokenize text first)")
+        raise InvalidRequestError(
+            f"{field}={_short(ids)} ({type_name(ids)}): expected a sequence of token ids (tokenize text first)"
+        )
     if isinstance(ids, (np.ndarray, torch.Tensor)):
         if ids.ndim != 1:
-            raise InvalidRequestError(f"{field} has shape {list(ids.shape)} ({type_name(ids)}): expected a 1-d "
-                                      f"sequence of token ids (one request per call)")
-        integral = (ids.dtype.kind in "iu" if isinstance(ids, np.ndarray) else
-                    not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool))
+            raise InvalidRequestError(
+                f"{field} has shape {list(ids.shape)} ({type_name(ids)}): expected a 1-d "
+                f"sequence of token ids (one request per call)"
+            )
+        integral = (
+            ids.dtype.kind in "iu"
+            if isinstance(ids, np.ndarray)
+            else not (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)
+        )
         values = ids.tolist() if integral else list(ids)  # not integral: the loop below names the first bad one
     elif isinstance(ids, Iterable) and not isinstance(ids, (Mapping, Set)):
         values = list(ids)
@@ -93,14 +104,14 @@ def validate_token_ids(ids, vocab_size: int, field: str) -> list[int]:
         v = integer_or_none(t)
         if v is None:
             hint = " (tokenize text first)" if isinstance(t, str) else ""
-            raise InvalidRequestError(f"{field}[{i}]={_short(t)} ({type_name(t)}): token ids must be "
-                                      f"integers{hint}")
+            raise InvalidRequestError(f"{field}[{i}]={_short(t)} ({type_name(t)}): token ids must be integers{hint}")
         out.append(v)
     bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < vocab_size]
     if bad:
         raise InvalidRequestError(
             f"{field}: ids {[t for _, t in bad[:5]]} at positions {[i for i, _ in bad[:5]]}"
-            f"{f' (and {len(bad) - 5} more)' if len(bad) > 5 else ''} outside the vocabulary 0..{vocab_size - 1}")
+            f"{f' (and {len(bad) - 5} more)' if len(bad) > 5 else ''} outside the vocabulary 0..{vocab_size - 1}"
+        )
     return out
 
 
@@ -130,7 +141,8 @@ def decode_prompt_arg(raw: str | bytes, source: str = "--prompt") -> str:
         except UnicodeEncodeError as e:
             raise InvalidRequestError(
                 f"{source}: character {e.start} is a lone surrogate U+{ord(raw[e.start]):04X}, not text; "
-                f"pass valid Unicode") from None
+                f"pass valid Unicode"
+            ) from None
     elif isinstance(raw, (bytes, bytearray)):
         data = bytes(raw)
     else:
@@ -138,9 +150,10 @@ def decode_prompt_arg(raw: str | bytes, source: str = "--prompt") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        bad = data[e.start:e.end]
-        before = data[max(0, e.start - 24):e.start].decode("utf-8", "replace")
+        bad = data[e.start : e.end]
+        before = data[max(0, e.start - 24) : e.start].decode("utf-8", "replace")
         raise InvalidRequestError(
             f"{source} is not valid UTF-8: byte {bad.hex(' ')} at byte offset {e.start} of {len(data)} "
             f"({e.reason}) after {before!r}; re-encode the text as UTF-8 "
-            f"(e.g. iconv -f LATIN1 -t UTF-8)") from None
+            f"(e.g. iconv -f LATIN1 -t UTF-8)"
+        ) from None

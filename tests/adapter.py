@@ -2,6 +2,7 @@
 
 Tests are the only place that imports both packages; the same records could come from any engine (JSONL).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,9 @@ from refengine import Engine, EngineConfig, Request, SamplingParams
 
 def cpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
     """fp32 on the CPU with the torch attention backend. `proposer` replaces the DFlash lane (test proposers)."""
-    return Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw),
-                  proposer=proposer)
+    return Engine(
+        EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw), proposer=proposer
+    )
 
 
 def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
@@ -23,20 +25,37 @@ def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
     plenty) instead of one planned to fill the device: the checks after every step stay cheap. The memory
     tests build their engines themselves to exercise the planner."""
     kw.setdefault("num_blocks", 8192)
-    return Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cuda",
-                               dtype="bfloat16", attention_backend="flashinfer", **kw), proposer=proposer)
+    return Engine(
+        EngineConfig(
+            str(target),
+            draft_path=str(draft) if draft else None,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flashinfer",
+            **kw,
+        ),
+        proposer=proposer,
+    )
 
 
 def score_sequences(engine: Engine, sequences: list[tuple[str, list[int], list[int]]], k: int = 8) -> list[TopKRecord]:
     """Teacher-force each (name, prompt, continuation) through Engine.score, all together: the prompt through
     prefill, the continuation through decode steps. One top-k row per position."""
     scored = engine.score([(prompt, cont) for _, prompt, cont in sequences], k)
-    return [TopKRecord(name=name, token_ids=s.token_ids, topk_ids=[ids for ids, _ in s.topk],
-                       topk_logprobs=[lps for _, lps in s.topk]) for (name, _, _), s in zip(sequences, scored)]
+    return [
+        TopKRecord(
+            name=name,
+            token_ids=s.token_ids,
+            topk_ids=[ids for ids, _ in s.topk],
+            topk_logprobs=[lps for _, lps in s.topk],
+        )
+        for (name, _, _), s in zip(sequences, scored)
+    ]
 
 
-def greedy(engine: Engine, prompts: list[list[int]], max_tokens: list[int] | int,
-           ignore_eos: bool = True) -> list[list[int]]:
+def greedy(
+    engine: Engine, prompts: list[list[int]], max_tokens: list[int] | int, ignore_eos: bool = True
+) -> list[list[int]]:
     mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     reqs = engine.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=ignore_eos) for m in mts])
     for r in reqs:
@@ -54,8 +73,10 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def assert_same_tokens(got: list[int], want: list[int], label: str) -> None:
     i = first_divergence(got, want)
     if i is not None:
-        raise AssertionError(f"{label}: first divergence at output position {i} of {len(want)}: "
-                             f"got {got[max(0, i - 3):i + 4]} want {want[max(0, i - 3):i + 4]}")
+        raise AssertionError(
+            f"{label}: first divergence at output position {i} of {len(want)}: "
+            f"got {got[max(0, i - 3) : i + 4]} want {want[max(0, i - 3) : i + 4]}"
+        )
 
 
 # ---- acceptance ------------------------------------------------------------------------------------------
@@ -67,8 +88,9 @@ def acceptance_record(name: str, req: Request) -> AcceptanceRecord:
     return AcceptanceRecord(name, list(req.prompt_ids), list(req.output_ids), list(req.spec.committed_per_step))
 
 
-def run_requests(engine: Engine, items: list[tuple[list[int], SamplingParams]],
-                 stagger_after: int | None = None) -> list[Request]:
+def run_requests(
+    engine: Engine, items: list[tuple[list[int], SamplingParams]], stagger_after: int | None = None
+) -> list[Request]:
     """Submit (prompt, params) items and run to completion. stagger_after=k: submit the first k together,
     run 3 steps, then submit the rest one per step while the first ones are mid-generation."""
     k = len(items) if stagger_after is None else stagger_after
@@ -91,11 +113,15 @@ def engine_leftovers(engine: Engine) -> dict[str, object]:
     """Per-request state the engine still holds; all empty / zero once every request has finished."""
     lane, pool = engine.proposer, engine.pool
     contexts = sorted(lane.live_requests()) if lane is not None else []
-    return {"drafter_contexts": contexts, "kv_block_tables": sorted(pool.allocator.owners()),
-            "kv_lengths": sorted(pool.seq_len), "kv_lifetime_reservations": sorted(pool.lifetime_blocks),
-            "blocks_not_free": pool.num_blocks - pool.allocator.num_free,
-            "running": [r.request_id for r in engine.scheduler.running],
-            "waiting": [r.request_id for r in engine.scheduler.waiting]}
+    return {
+        "drafter_contexts": contexts,
+        "kv_block_tables": sorted(pool.allocator.owners()),
+        "kv_lengths": sorted(pool.seq_len),
+        "kv_lifetime_reservations": sorted(pool.lifetime_blocks),
+        "blocks_not_free": pool.num_blocks - pool.allocator.num_free,
+        "running": [r.request_id for r in engine.scheduler.running],
+        "waiting": [r.request_id for r in engine.scheduler.waiting],
+    }
 
 
 def assert_no_leftovers(engine: Engine, label: str = "") -> None:
@@ -172,6 +198,7 @@ def break_rotate_batched_prefill_features(engine: Engine) -> None:
             for a, b in zip(ids, ids[1:] + ids[:1]):
                 staged[a] = (old[a][0], fit(old[b][1], old[a][1].shape[0]))
         return result
+
     runner.execute = rotated
 
 
@@ -182,8 +209,9 @@ def break_verify_features_shifted(engine: Engine) -> None:
 
     def shifted(req_id, start, committed):
         _, verify_feats = lane._staged.pop(req_id)  # white-box: this verify's staged rows
-        rows = torch.cat([verify_feats[1:committed + 1], verify_feats[verify_feats.shape[0] - 1:]])[:committed]
+        rows = torch.cat([verify_feats[1 : committed + 1], verify_feats[verify_feats.shape[0] - 1 :]])[:committed]
         lane.append_pending_context(req_id, rows, start)
+
     lane.record_verify_dflash_context = shifted
 
 
@@ -191,7 +219,8 @@ def break_drop_ignore_eos(engine: Engine) -> None:
     """The engine drops SamplingParams.ignore_eos at submission (a server not forwarding the flag)."""
     add = engine.add_request
     engine.add_request = lambda prompt, params=None, **kw: add(
-        prompt, dataclasses.replace(params or SamplingParams(), ignore_eos=False), **kw)
+        prompt, dataclasses.replace(params or SamplingParams(), ignore_eos=False), **kw
+    )
 
 
 def break_first_token_from_first_row(engine: Engine) -> None:
@@ -205,6 +234,7 @@ def break_first_token_from_first_row(engine: Engine) -> None:
         if type(plan).__name__ == "PrefillPlan":
             result.argmax[:] = [rows[:1] * len(rows) for rows in result.argmax]  # as many rows, the first's value
         return result
+
     runner.execute = first_row
 
 
@@ -216,6 +246,7 @@ def break_starve_plain_requests(engine: Engine) -> None:
     def verify_first():
         scheduler._verify_turn = True
         return schedule()
+
     scheduler.schedule = verify_first
 
 
@@ -242,8 +273,9 @@ def break_rotate_batched_drafts(engine: Engine) -> None:
             return drafts
         out = []
         for (_, _, _, span), d in zip(items, drafts[1:] + drafts[:1]):
-            out.append((list(d) + [0] * span)[:span - 1])
+            out.append((list(d) + [0] * span)[: span - 1])
         return out
+
     lane.propose = rotated
 
 

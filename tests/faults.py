@@ -7,6 +7,7 @@ inside commit: the plan's earlier requests already committed, a refengine bug by
 point are counted from 0; calls at..at+times-1 raise, before the real call or just after it (`after`: the
 KV, staged features or drafter flush it wrote stay behind for the rollback to undo).
 """
+
 from __future__ import annotations
 
 from refengine import Engine
@@ -24,7 +25,7 @@ class FaultInjector:
         self.point, self.at, self.times, self.after = point, at, times, after
         self.calls = 0
         self.fired = 0
-        self.affected: set[int] = set()   # requests of every plan in which a fault fired
+        self.affected: set[int] = set()  # requests of every plan in which a fault fired
         self._plan = None
         self._kind = ""
         runner, sched = engine.runner, engine.scheduler
@@ -37,8 +38,8 @@ class FaultInjector:
             self._plan, self._kind = plan, "commit"
             return _orig(plan, result)
 
-        runner.execute = execute                       # type: ignore[method-assign]
-        sched.commit = commit                          # type: ignore[method-assign]
+        runner.execute = execute  # type: ignore[method-assign]
+        sched.commit = commit  # type: ignore[method-assign]
         if point in ("prefill", "decode", "verify"):
             engine.target.forward = self._wrap(engine.target.forward, kind=point)  # type: ignore[method-assign]
         elif point == "draft":
@@ -61,6 +62,7 @@ class FaultInjector:
             if hit:
                 self._fire(n)
             return out
+
         return wrapped
 
     def _fire(self, n: int) -> None:

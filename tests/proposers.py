@@ -7,6 +7,7 @@ transaction (reserve, verify, accept, commit, roll back, context alignment) is e
 They keep the same bookkeeping as the lane (context rows per request, alignment asserts), fed by real
 captured target features, but draft from the reference output instead of a model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,8 +51,10 @@ class ReplayProposer:
     def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
         start, staged = self._staged.pop(req_id)
         if first_position != self._rows[req_id] or start != first_position or rows > staged:
-            raise AlignmentError(f"request {req_id}: rows [{first_position}, +{rows}) against staged "
-                                 f"[{start}, +{staged}), context ends at {self._rows[req_id]}")
+            raise AlignmentError(
+                f"request {req_id}: rows [{first_position}, +{rows}) against staged "
+                f"[{start}, +{staged}), context ends at {self._rows[req_id]}"
+            )
         self._rows[req_id] += rows
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:

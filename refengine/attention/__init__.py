@@ -1,4 +1,5 @@
 """Attention backends behind one protocol: `prepare(batch)` once per forward, `attend(layer, q)` per layer."""
+
 from __future__ import annotations
 
 from refengine.attention.base import AttentionBackend, AttnBatch
@@ -10,6 +11,7 @@ def make_backend(name: str, pool, num_heads: int, num_kv_heads: int, head_dim: i
         return TorchPagedAttention(pool)
     if name == "flashinfer":
         from refengine.attention.flashinfer_backend import FlashInferPagedAttention  # lazy: CPU never needs it
+
         return FlashInferPagedAttention(pool, num_heads, num_kv_heads, head_dim)
     raise ValueError(f"unknown attention backend {name!r}")
 

@@ -1,4 +1,5 @@
 """The attention protocol and the batch layout every backend receives."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ class AttnBatch:
     that is what makes the causal mask bottom-right aligned. `causal=False` (the DFlash drafter's block)
     lets every query row see all kv_lens[i] keys of its request.
     """
+
     q_lens: list[int]
     kv_lens: list[int]
     block_tables: list[list[int]]

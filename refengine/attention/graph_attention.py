@@ -7,6 +7,7 @@ requests on the pool's dummy pages), planned on the host before every replay.
   query rows it may ever see: the shape's full row count.
 - Torch (any device): the reference backend re-prepared each step (the CPU tests of the graph runner).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,6 +42,7 @@ class FlashInferGraphAttention:
 
     def __init__(self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int):
         import flashinfer  # lazily: CPU installs never need it
+
         dev = pool.k[0].device
         ws = self._workspaces.get(dev)
         if ws is None:
@@ -52,8 +54,15 @@ class FlashInferGraphAttention:
         self._indices = torch.zeros(pages, dtype=torch.int32, device=dev)
         self._last = torch.zeros(batch, dtype=torch.int32, device=dev)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            ws, "NHD", use_cuda_graph=True, qo_indptr_buf=self._indptr, paged_kv_indptr_buf=self._kv_indptr,
-            paged_kv_indices_buf=self._indices, paged_kv_last_page_len_buf=self._last, backend="fa2")
+            ws,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=self._indptr,
+            paged_kv_indptr_buf=self._kv_indptr,
+            paged_kv_indices_buf=self._indices,
+            paged_kv_last_page_len_buf=self._last,
+            backend="fa2",
+        )
         self._planned = False
 
     def plan(self, batch: AttnBatch) -> None:
@@ -67,8 +76,9 @@ class FlashInferGraphAttention:
         indices = torch.tensor([b for t, n in zip(batch.block_tables, n_pages) for b in t[:n]], dtype=torch.int32)
         last = torch.tensor([(n - 1) % page + 1 for n in batch.kv_lens], dtype=torch.int32)
         dtype = self.pool.k[0].dtype
-        self._wrapper.plan(qo, kv, indices, last, *self.heads, page, causal=batch.causal, q_data_type=dtype,
-                           kv_data_type=dtype)
+        self._wrapper.plan(
+            qo, kv, indices, last, *self.heads, page, causal=batch.causal, q_data_type=dtype, kv_data_type=dtype
+        )
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         self._wrapper.run(q, (self.pool.k[layer], self.pool.v[layer]), out=out)

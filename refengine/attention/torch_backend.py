@@ -1,5 +1,6 @@
 """Reference attention: gather each request's pages and run SDPA with an explicit bottom-right causal mask.
 Runs on any device; it is the CPU path and the yardstick for the FlashInfer one."""
+
 from __future__ import annotations
 
 import torch
@@ -32,9 +33,10 @@ class TorchPagedAttention:
         vc = self.pool.v[layer].view(-1, *self.pool.v[layer].shape[2:])
         out = torch.empty_like(q)
         for row, q_len, slots, mask in self._plan:
-            k = kc[slots].transpose(0, 1)                # [Hkv, kv, D]
+            k = kc[slots].transpose(0, 1)  # [Hkv, kv, D]
             v = vc[slots].transpose(0, 1)
-            qi = q[row:row + q_len].transpose(0, 1)      # [Hq, q, D]; GQA: kv head = q head // group
-            out[row:row + q_len] = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask,
-                                                                  enable_gqa=True).transpose(0, 1)
+            qi = q[row : row + q_len].transpose(0, 1)  # [Hq, q, D]; GQA: kv head = q head // group
+            out[row : row + q_len] = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=mask, enable_gqa=True
+            ).transpose(0, 1)
         return out

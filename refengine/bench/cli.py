@@ -12,6 +12,7 @@ not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance 
 status 2 with a message when any request is rejected or a row runs no tokens. Column definitions:
 refengine/bench/run.py and docs/PERF.md.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,33 +48,65 @@ def _ints(text: str, what: str) -> list[int]:
     return vals
 
 
-def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concurrency: list[int],
-          prompt_len: int, output_tokens: int, repeats: int = 3, modes: tuple[str, ...] = MODES,
-          profiles: list[str] | None = None, prompts: str = "random", peer: str | None = None,
-          peer_compile: bool = False, max_model_len: int | None = None, seed: int = 0,
-          profile_ops: bool = False, graph_mode: str | None = None) -> dict[str, Any]:
+def bench(
+    target: str,
+    draft: str | None,
+    *,
+    device: str,
+    synthetic: bool,
+    concurrency: list[int],
+    prompt_len: int,
+    output_tokens: int,
+    repeats: int = 3,
+    modes: tuple[str, ...] = MODES,
+    profiles: list[str] | None = None,
+    prompts: str = "random",
+    peer: str | None = None,
+    peer_compile: bool = False,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    profile_ops: bool = False,
+    graph_mode: str | None = None,
+) -> dict[str, Any]:
     from tqdm import tqdm
 
     if draft is None:
         modes = tuple(m for m in modes if m == "plain")
     parsed = [parse_profile(p) for p in profiles or []]
     bandwidth = measure_copy_bandwidth(device)
-    results: dict[str, Any] = {"target": target, "draft": draft, "device": device, "synthetic_weights": synthetic,
-                               "prompts": prompts, "prompt_len": prompt_len, "output_tokens": output_tokens,
-                               "repeats": repeats, "copy_bandwidth_bytes_per_s": round(bandwidth),
-                               "profiles": {p.name: {"tau": round(p.tau, 4), "description": p.description}
-                                            for p in parsed}, "rows": []}
+    results: dict[str, Any] = {
+        "target": target,
+        "draft": draft,
+        "device": device,
+        "synthetic_weights": synthetic,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "output_tokens": output_tokens,
+        "repeats": repeats,
+        "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "profiles": {p.name: {"tau": round(p.tau, 4), "description": p.description} for p in parsed},
+        "rows": [],
+    }
     passes = {m: (parsed or [None]) if m != "plain" else [None] for m in modes}
     total = sum(len(v) for v in passes.values()) * len(concurrency) * repeats + (
-        len(concurrency) * repeats if peer else 0)
+        len(concurrency) * repeats if peer else 0
+    )
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
     floor = own_bytes = 0.0
     vocab = 0
     for mode in modes:
         first = passes[mode][0]
-        engine = engine_for(mode, target, draft, device=device, synthetic=synthetic, max_num_seqs=max(concurrency),
-                            max_model_len=max_model_len or prompt_len + output_tokens + 16,
-                            override=AcceptanceOverride(first, seed) if first else None, graph_mode=graph_mode)
+        engine = engine_for(
+            mode,
+            target,
+            draft,
+            device=device,
+            synthetic=synthetic,
+            max_num_seqs=max(concurrency),
+            max_model_len=max_model_len or prompt_len + output_tokens + 16,
+            override=AcceptanceOverride(first, seed) if first else None,
+            graph_mode=graph_mode,
+        )
         tbytes = target_weight_bytes(engine.target)
         floor, vocab = bandwidth / tbytes, engine.target.cfg.vocab_size
         own_bytes = tbytes + (drafter_weight_bytes(engine.drafter) if engine.drafter is not None else 0)
@@ -84,8 +117,11 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
             override = AcceptanceOverride(prof, seed) if prof else None
             if mode != "plain":
                 set_override(engine, override)
-            label = override.label if override else ("-" if mode == "plain" else (
-                "chance (synthetic weights)" if synthetic else "real drafter"))
+            label = (
+                override.label
+                if override
+                else ("-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter"))
+            )
             for c in concurrency:
                 batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
                 run_once(engine, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
@@ -93,8 +129,9 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
                     engine.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
                 runs = []
                 for _ in range(repeats):
-                    runs.append(measure_row(engine, mode, label, batch, output_tokens, floor, int(own_bytes),
-                                            bandwidth))
+                    runs.append(
+                        measure_row(engine, mode, label, batch, output_tokens, floor, int(own_bytes), bandwidth)
+                    )
                     bar.update()
                 results["rows"].append(aggregate(runs))
                 if profile_ops and c == concurrency[0]:
@@ -103,17 +140,46 @@ def bench(target: str, draft: str | None, *, device: str, synthetic: bool, concu
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     if peer:
-        _peer_rows(results, target, device, synthetic, concurrency, prompts, prompt_len, output_tokens, repeats,
-                   peer_compile, floor, vocab, seed, bar)
+        _peer_rows(
+            results,
+            target,
+            device,
+            synthetic,
+            concurrency,
+            prompts,
+            prompt_len,
+            output_tokens,
+            repeats,
+            peer_compile,
+            floor,
+            vocab,
+            seed,
+            bar,
+        )
     bar.close()
     results["rows"].sort(key=lambda r: (r["concurrency"], r["mode"], r["acceptance"]))
     return results
 
 
-def _peer_rows(results, target, device, synthetic, concurrency, prompts, prompt_len, output_tokens, repeats,
-               compile, floor, vocab, seed, bar) -> None:
+def _peer_rows(
+    results,
+    target,
+    device,
+    synthetic,
+    concurrency,
+    prompts,
+    prompt_len,
+    output_tokens,
+    repeats,
+    compile,
+    floor,
+    vocab,
+    seed,
+    bar,
+) -> None:
     from refengine.bench.peer_hf import make_peer, peer_row
     from refengine.config import EngineConfig
+
     dtype = getattr(torch, EngineConfig(target, device=device).torch_dtype_name)
     model, label = make_peer(target, dtype=dtype, device=device, synthetic=synthetic, compile=compile)
     for c in concurrency:
@@ -129,6 +195,7 @@ def _peer_rows(results, target, device, synthetic, concurrency, prompts, prompt_
 def _profile(engine, prompts, new_tokens: int, label: str) -> None:
     """Where the time of one short run goes: torch.profiler's top ops, to stderr (not part of the timings)."""
     from torch.profiler import ProfilerActivity, profile
+
     cuda = engine.target.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         run_once(engine, prompts, new_tokens)
@@ -149,26 +216,42 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="measured runs per row (median, min-max reported)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    p.add_argument("--acceptance-profile", default=None,
-                   help="benchmark-only: tau<T>, geom<p>, sharegpt, gsm8k, humaneval (comma-separated for several)")
-    p.add_argument("--prompts", choices=PROMPT_SETS, default="random",
-                   help="random token ids, or the trained tiny pair's bundled code / prose / chat prompts")
+    p.add_argument(
+        "--acceptance-profile",
+        default=None,
+        help="benchmark-only: tau<T>, geom<p>, sharegpt, gsm8k, humaneval (comma-separated for several)",
+    )
+    p.add_argument(
+        "--prompts",
+        choices=PROMPT_SETS,
+        default="random",
+        help="random token ids, or the trained tiny pair's bundled code / prose / chat prompts",
+    )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="engine context cap (default prompt-len + output-tokens + 16)")
-    p.add_argument("--graph-mode", choices=["eager", "piecewise", "full"], default=None,
-                   help="CUDA graphs for decode / verify / draft (default: full on CUDA, eager on the CPU)")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="engine context cap (default prompt-len + output-tokens + 16)"
+    )
+    p.add_argument(
+        "--graph-mode",
+        choices=["eager", "piecewise", "full"],
+        default=None,
+        help="CUDA graphs for decode / verify / draft (default: full on CUDA, eager on the CPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
-    p.add_argument("--profile", action="store_true",
-                   help="also print torch.profiler's top ops for the first concurrency of each row kind (stderr)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's top ops for the first concurrency of each row kind (stderr)",
+    )
     p.set_defaults(func=_cmd)
 
 
 def _cmd(args) -> int:
     from refengine.defaults import default_pair
+
     if args.target is None:
         t, d = default_pair()
         target, draft = str(t), args.draft or str(d)
@@ -184,23 +267,41 @@ def _cmd(args) -> int:
         parse_profile(p)  # fail before any model loads
     if args.plot:
         import importlib.util
+
         if importlib.util.find_spec("matplotlib") is None:
             raise BenchError("--plot needs matplotlib: pip install 'refengine[plot]'")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    res = bench(target, draft, device=device, synthetic=args.synthetic,
-                concurrency=_ints(args.concurrency, "--concurrency"), prompt_len=args.prompt_len,
-                output_tokens=args.output_tokens, repeats=args.repeats, modes=modes, profiles=profiles,
-                prompts=args.prompts, peer=args.peer, peer_compile=args.peer_compile,
-                max_model_len=args.max_model_len, seed=args.seed, profile_ops=args.profile,
-                graph_mode=args.graph_mode)
-    print_table(res["rows"], f"refengine bench: {target} ({device}, {args.prompts} prompts, "
-                             f"{args.output_tokens} new tokens, median of {args.repeats})")
+    res = bench(
+        target,
+        draft,
+        device=device,
+        synthetic=args.synthetic,
+        concurrency=_ints(args.concurrency, "--concurrency"),
+        prompt_len=args.prompt_len,
+        output_tokens=args.output_tokens,
+        repeats=args.repeats,
+        modes=modes,
+        profiles=profiles,
+        prompts=args.prompts,
+        peer=args.peer,
+        peer_compile=args.peer_compile,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        profile_ops=args.profile,
+        graph_mode=args.graph_mode,
+    )
+    print_table(
+        res["rows"],
+        f"refengine bench: {target} ({device}, {args.prompts} prompts, "
+        f"{args.output_tokens} new tokens, median of {args.repeats})",
+    )
     text = json.dumps(res)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text + "\n")
     if args.plot:
         from refengine.bench.plot import plot
+
         plot(res["rows"], args.plot, f"{target} ({device}), {args.prompts} prompts")
     print(text)
     return 0

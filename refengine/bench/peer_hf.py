@@ -6,6 +6,7 @@ Synthetic weights (or a config-only directory): the HF model is built from confi
 if that fails the row falls back to eager and its label says so. transformers is the `golden` extra,
 imported only here.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,14 @@ def _generate(model, prompts: list[list[int]], new_tokens: int, device: str) -> 
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     return (out.shape[1] - ids.shape[1]) * len(prompts), time.perf_counter() - t0
@@ -69,12 +76,20 @@ def make_peer(target: str, *, dtype: torch.dtype, device: str, synthetic: bool, 
     return model, label
 
 
-def peer_row(model, label: str, prompts: list[list[int]], new_tokens: int, device: str,
-             floor: float) -> dict[str, Any]:
+def peer_row(model, label: str, prompts: list[list[int]], new_tokens: int, device: str, floor: float) -> dict[str, Any]:
     tokens, secs = _generate(model, prompts, new_tokens, device)
     tps = tokens / secs
     c = len(prompts)
-    return {"mode": "hf", "acceptance": "-", "peer": label, "concurrency": c, "tokens": tokens,
-            "seconds": round(secs, 4), "tok_per_s": round(tps, 2), "per_request_tok_per_s": round(tps / c, 2),
-            "memory_bound_floor_tok_per_s": round(floor, 1), "x_plain_floor": round(tps / floor, 4),
-            "fraction_of_floor_per_request": round(tps / c / floor, 4)}
+    return {
+        "mode": "hf",
+        "acceptance": "-",
+        "peer": label,
+        "concurrency": c,
+        "tokens": tokens,
+        "seconds": round(secs, 4),
+        "tok_per_s": round(tps, 2),
+        "per_request_tok_per_s": round(tps / c, 2),
+        "memory_bound_floor_tok_per_s": round(floor, 1),
+        "x_plain_floor": round(tps / floor, 4),
+        "fraction_of_floor_per_request": round(tps / c / floor, 4),
+    }

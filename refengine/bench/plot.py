@@ -1,5 +1,6 @@
 """`refengine bench --plot FILE`: tok/s against concurrency, one line per (mode, acceptance). matplotlib is
 the optional extra `plot` (pip install 'refengine[plot]'), imported only here."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,6 +11,7 @@ from refengine.errors import UnsupportedConfigError
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:

@@ -1,5 +1,6 @@
 """Bench prompt sets: random token ids, or the trained tiny pair's held-out code / prose / chat prompts
 (fixtures/tiny-trained/eval_prompts.jsonl, token ids of that pair's tokenizer)."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,9 @@ def _bundled() -> dict[str, list[list[int]]]:
     return out
 
 
-def make_prompts(kind: str, n: int, prompt_len: int, vocab_size: int, target: str | Path, seed: int = 0
-                 ) -> list[list[int]]:
+def make_prompts(
+    kind: str, n: int, prompt_len: int, vocab_size: int, target: str | Path, seed: int = 0
+) -> list[list[int]]:
     """n prompts of the set `kind`. Random prompts have exactly prompt_len tokens; bundled ones keep their
     last prompt_len tokens (where generation continues) and cycle when n exceeds the set."""
     if kind not in PROMPT_SETS:
@@ -34,8 +36,10 @@ def make_prompts(kind: str, n: int, prompt_len: int, vocab_size: int, target: st
         rng = random.Random(seed + n)
         return [[rng.randrange(vocab_size - 1) for _ in range(prompt_len)] for _ in range(n)]
     if not (Path(target) / "tokenizer.json").is_file():
-        raise UnsupportedConfigError(f"--prompts {kind}: the bundled prompts are token ids of the trained tiny "
-                                     f"pair's tokenizer, and {target} has no tokenizer.json: use --prompts random")
+        raise UnsupportedConfigError(
+            f"--prompts {kind}: the bundled prompts are token ids of the trained tiny "
+            f"pair's tokenizer, and {target} has no tokenizer.json: use --prompts random"
+        )
     sets = _bundled()
     if kind == "mixed":
         cats = sorted(sets)

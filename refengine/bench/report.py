@@ -1,4 +1,5 @@
 """Bench rows: aggregation over repeats (median, with the tok/s spread) and the stderr table."""
+
 from __future__ import annotations
 
 import statistics
@@ -6,11 +7,21 @@ import sys
 from typing import Any
 
 KEY = ("mode", "acceptance", "concurrency")
-COLUMNS = [("mode", "mode"), ("acceptance", "acceptance"), ("c", "concurrency"), ("tok/s", "tok_per_s"),
-           ("min-max", "tok_per_s_spread"), ("req tok/s", "per_request_tok_per_s"), ("tau", "tau"),
-           ("draft ms", "draft_ms_per_step"), ("verify ms", "verify_ms_per_step"),
-           ("decode ms", "decode_ms_per_step"), ("host ms", "host_ms_per_step"),
-           ("x floor", "x_plain_floor"), ("x own ideal", "x_own_ideal")]
+COLUMNS = [
+    ("mode", "mode"),
+    ("acceptance", "acceptance"),
+    ("c", "concurrency"),
+    ("tok/s", "tok_per_s"),
+    ("min-max", "tok_per_s_spread"),
+    ("req tok/s", "per_request_tok_per_s"),
+    ("tau", "tau"),
+    ("draft ms", "draft_ms_per_step"),
+    ("verify ms", "verify_ms_per_step"),
+    ("decode ms", "decode_ms_per_step"),
+    ("host ms", "host_ms_per_step"),
+    ("x floor", "x_plain_floor"),
+    ("x own ideal", "x_own_ideal"),
+]
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -31,8 +42,11 @@ def _cell(row: dict[str, Any], key: str) -> str:
     v = row.get(key)
     if v is None:
         return ""
-    return f"{v:.3g}" if isinstance(v, float) and key.startswith("x_") else (
-        f"{v:.2f}" if isinstance(v, float) else str(v))
+    return (
+        f"{v:.3g}"
+        if isinstance(v, float) and key.startswith("x_")
+        else (f"{v:.2f}" if isinstance(v, float) else str(v))
+    )
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -10,6 +10,7 @@ Ratios: x_plain_floor = tok/s / (copy bandwidth / target weight bytes), the memo
 plain decode step; x_own_ideal (DFlash) = per-request tok/s / (tau * bandwidth / (target + drafter bytes)),
 i.e. against a step that streams both models' weights once and commits tau tokens.
 """
+
 from __future__ import annotations
 
 import time
@@ -85,8 +86,9 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
     reqs = [engine.add_request(p, params) for p in prompts]
     bad = [r for r in reqs if r.reject_reason is not None]
     if bad:
-        raise BenchError(f"{len(bad)} of {len(reqs)} bench requests were rejected ({bad[0].reject_reason.value}): "
-                         f"{bad[0].message}")
+        raise BenchError(
+            f"{len(bad)} of {len(reqs)} bench requests were rejected ({bad[0].reject_reason.value}): {bad[0].message}"
+        )
     step_wall = 0.0
     while engine.has_work():
         ts = time.perf_counter()
@@ -104,47 +106,90 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
     for r in reqs:
         stats.merge(r.spec)
     compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s"))
-    return {"tokens": tokens, "seconds": secs, "timings": timings, "plans": dict(plans), "stats": stats,
-            "host_s": max(step_wall - compute, 0.0), "steps": sum(plans.values())}
+    return {
+        "tokens": tokens,
+        "seconds": secs,
+        "timings": timings,
+        "plans": dict(plans),
+        "stats": stats,
+        "host_s": max(step_wall - compute, 0.0),
+        "steps": sum(plans.values()),
+    }
 
 
-def measure_row(engine, mode: str, acceptance: str, prompts: list[list[int]], output_tokens: int,
-                floor: float, own_bytes: int, bandwidth: float) -> dict[str, Any]:
+def measure_row(
+    engine,
+    mode: str,
+    acceptance: str,
+    prompts: list[list[int]],
+    output_tokens: int,
+    floor: float,
+    own_bytes: int,
+    bandwidth: float,
+) -> dict[str, Any]:
     r = run_once(engine, prompts, output_tokens)
     c, secs, t, plans = len(prompts), r["seconds"], r["timings"], r["plans"]
     tps = r["tokens"] / secs
-    row: dict[str, Any] = {"mode": mode, "acceptance": acceptance, "concurrency": c, "tokens": r["tokens"],
-                           "seconds": round(secs, 4), "tok_per_s": round(tps, 2),
-                           "per_request_tok_per_s": round(tps / c, 2),
-                           "memory_bound_floor_tok_per_s": round(floor, 1),
-                           "x_plain_floor": round(tps / floor, 4),
-                           "fraction_of_floor_per_request": round(tps / c / floor, 4),
-                           "host_ms_per_step": round(r["host_s"] * 1e3 / max(r["steps"], 1), 4),
-                           "steps": r["steps"]}
+    row: dict[str, Any] = {
+        "mode": mode,
+        "acceptance": acceptance,
+        "concurrency": c,
+        "tokens": r["tokens"],
+        "seconds": round(secs, 4),
+        "tok_per_s": round(tps, 2),
+        "per_request_tok_per_s": round(tps / c, 2),
+        "memory_bound_floor_tok_per_s": round(floor, 1),
+        "x_plain_floor": round(tps / floor, 4),
+        "fraction_of_floor_per_request": round(tps / c / floor, 4),
+        "host_ms_per_step": round(r["host_s"] * 1e3 / max(r["steps"], 1), 4),
+        "steps": r["steps"],
+    }
     if plans.get("decode"):
         row["decode_ms_per_step"] = round(t["decode_s"] * 1e3 / plans["decode"], 4)
     if mode != "plain":
         s: SpecStats = r["stats"]
         n = max(plans.get("verify", 0), 1)
         ideal = s.tau * bandwidth / own_bytes
-        row.update(tau=round(s.tau, 4), verify_steps=plans.get("verify", 0),
-                   draft_ms_per_step=round(t["draft_s"] * 1e3 / n, 4),
-                   verify_ms_per_step=round(t["verify_s"] * 1e3 / n, 4),
-                   own_ideal_tok_per_s=round(ideal, 1), x_own_ideal=round(tps / c / ideal, 4) if ideal else None,
-                   accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
-                   span_hist={str(k): v for k, v in sorted(s.span_hist.items())})
+        row.update(
+            tau=round(s.tau, 4),
+            verify_steps=plans.get("verify", 0),
+            draft_ms_per_step=round(t["draft_s"] * 1e3 / n, 4),
+            verify_ms_per_step=round(t["verify_s"] * 1e3 / n, 4),
+            own_ideal_tok_per_s=round(ideal, 1),
+            x_own_ideal=round(tps / c / ideal, 4) if ideal else None,
+            accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
+            span_hist={str(k): v for k, v in sorted(s.span_hist.items())},
+        )
         if engine.scheduler.policy is not None:
             row["policy"] = engine.scheduler.policy.summary()
     return row
 
 
-def engine_for(mode: str, target: str, draft: str | None, *, device: str, synthetic: bool, max_num_seqs: int,
-               max_model_len: int, override: AcceptanceOverride | None, graph_mode: str | None = None):
+def engine_for(
+    mode: str,
+    target: str,
+    draft: str | None,
+    *,
+    device: str,
+    synthetic: bool,
+    max_num_seqs: int,
+    max_model_len: int,
+    override: AcceptanceOverride | None,
+    graph_mode: str | None = None,
+):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
-    cfg = EngineConfig(target, draft_path=draft if mode != "plain" else None, device=device,
-                       synthetic_weights=synthetic, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                       speculation="adaptive" if mode == "adaptive" else "fixed", graph_mode=graph_mode)
+
+    cfg = EngineConfig(
+        target,
+        draft_path=draft if mode != "plain" else None,
+        device=device,
+        synthetic_weights=synthetic,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        speculation="adaptive" if mode == "adaptive" else "fixed",
+        graph_mode=graph_mode,
+    )
     return Engine(cfg, acceptance_override=override if mode != "plain" else None)
 
 

@@ -1,4 +1,5 @@
 """Block allocator: a free list and per-request block tables. It never hashes (no prefix caching)."""
+
 from __future__ import annotations
 
 from refengine.errors import IntegrityError, KvAllocationError
@@ -50,8 +51,9 @@ class BlockAllocator:
         """free + used == total, and no block is owned twice or both owned and free."""
         used = [b for t in self._tables.values() for b in t]
         every = used + self._free
-        if len(every) == self.num_blocks == len(set(every)) and (not every or 0 <= min(every) and
-                                                                max(every) < self.num_blocks):
+        if len(every) == self.num_blocks == len(set(every)) and (
+            not every or 0 <= min(every) and max(every) < self.num_blocks
+        ):
             return  # the fast path (called after every step in the tests); the loop below names the fault
         seen = set()
         for b in used + self._free:

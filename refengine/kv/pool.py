@@ -1,5 +1,6 @@
 """The paged KV pool: tensors allocated once, per-request committed lengths, lifetime reservations and the
 speculative transaction (schedule_speculative / speculative_view / apply_speculative / revert_schedule)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,12 +18,22 @@ def blocks_for(tokens: int, page: int) -> int:
 @dataclass
 class SpecReservation:
     """One verify step's reservation, in plan order: req_id -> (start, span, blocks it allocated)."""
+
     entries: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class KvPool:
-    def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, dummy_blocks: int = 1):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        dummy_blocks: int = 1,
+    ):
         self.page_size = page_size
         self.allocator = BlockAllocator(num_blocks)
         # Pages past the allocator's range that no request owns: the padding rows of a graphed step write
@@ -31,7 +42,7 @@ class KvPool:
         shape = (num_blocks + dummy_blocks, page_size, num_kv_heads, head_dim)  # NHD pages, as FlashInfer wants
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.seq_len: dict[int, int] = {}         # committed KV length per request
+        self.seq_len: dict[int, int] = {}  # committed KV length per request
         self.lifetime_blocks: dict[int, int] = {}  # blocks promised to each request for its whole life
 
     # ---- admission and plain growth -------------------------------------------------------------------
@@ -97,11 +108,14 @@ class KvPool:
     # ---- the speculative transaction --------------------------------------------------------------------
     def schedule_speculative(self, spans: dict[int, int]) -> SpecReservation:
         """Reserve slots for each request's whole verify span, for all requests or for none."""
-        needs = {r: max(blocks_for(self.seq_len[r] + s, self.page_size) - len(self.allocator.table(r)), 0)
-                 for r, s in spans.items()}
+        needs = {
+            r: max(blocks_for(self.seq_len[r] + s, self.page_size) - len(self.allocator.table(r)), 0)
+            for r, s in spans.items()
+        }
         if sum(needs.values()) > self.allocator.num_free:
-            raise KvAllocationError(f"speculative spans need {sum(needs.values())} blocks, "
-                                    f"{self.allocator.num_free} free")
+            raise KvAllocationError(
+                f"speculative spans need {sum(needs.values())} blocks, {self.allocator.num_free} free"
+            )
         res = SpecReservation()
         for r, s in spans.items():
             res.entries[r] = (self.seq_len[r], s, self._grow(r, self.seq_len[r] + s))
@@ -132,8 +146,10 @@ class KvPool:
         if not tables <= set(self.seq_len):
             raise IntegrityError(f"block tables for requests {sorted(tables - set(self.seq_len))} that were released")
         if set(self.lifetime_blocks) != set(self.seq_len):
-            raise IntegrityError(f"lifetime promises for requests {sorted(self.lifetime_blocks)}, "
-                                 f"live requests are {sorted(self.seq_len)}")
+            raise IntegrityError(
+                f"lifetime promises for requests {sorted(self.lifetime_blocks)}, "
+                f"live requests are {sorted(self.seq_len)}"
+            )
         for r, n in self.seq_len.items():
             have = len(self.allocator.table(r))
             if have < blocks_for(n, self.page_size):

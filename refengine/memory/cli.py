@@ -15,6 +15,7 @@ upstream --max-decode-batch 256` prints that table; measure your own device
 batch, page size, utilisation) are the engine's own, so the table describes the setup the engine runs.
 The last line printed is a JSON summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,6 +68,7 @@ def _overheads(text: str) -> tuple[float, float]:
         raise argparse.ArgumentTypeError(f"--runtime-overhead-mib wants X or OFF,ON (>= 0), got {text!r}")
     return (parts[0], parts[-1])
 
+
 HEADER = ("", "margin MiB", "KV budget MiB", "blocks", "B/block eff", "max context", "full-length reqs")
 
 
@@ -77,23 +79,40 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="device to read when --gpu-mem-gib is not given")
     p.add_argument("--util", type=_utilisation, default=DEFAULT_GPU_MEMORY_UTILIZATION, help="gpu memory utilisation")
     p.add_argument("--page-size", type=_positive_int, default=DEFAULT_PAGE_SIZE)
-    p.add_argument("--max-decode-batch", type=_positive_int, default=DEFAULT_MAX_NUM_SEQS,
-                   help=f"decode batch the drafter scratch is sized for (engine default {DEFAULT_MAX_NUM_SEQS}; "
-                        "upstream's table: 256)")
-    p.add_argument("--max-context", type=_positive_int,
-                   help="tokens per full-length request (default: the model's limit)")
-    p.add_argument("--accounting", choices=MEMORY_ACCOUNTINGS, default=DEFAULT_MEMORY_ACCOUNTING,
-                   help="DFlash reservation: 'lane' (what refengine allocates, the engine default) or 'upstream'")
+    p.add_argument(
+        "--max-decode-batch",
+        type=_positive_int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"decode batch the drafter scratch is sized for (engine default {DEFAULT_MAX_NUM_SEQS}; "
+        "upstream's table: 256)",
+    )
+    p.add_argument(
+        "--max-context", type=_positive_int, help="tokens per full-length request (default: the model's limit)"
+    )
+    p.add_argument(
+        "--accounting",
+        choices=MEMORY_ACCOUNTINGS,
+        default=DEFAULT_MEMORY_ACCOUNTING,
+        help="DFlash reservation: 'lane' (what refengine allocates, the engine default) or 'upstream'",
+    )
     p.add_argument("--margin-mib", type=int, default=DEFAULT_KV_MARGIN_BYTES // MiB)
-    p.add_argument("--runtime-overhead-mib", type=_overheads, default=_overheads(DEFAULT_RUNTIME_OVERHEAD_MIB),
-                   help="CUDA context + worst-case activation peak on top of the target weights, MiB: X for both "
-                        "rows or OFF,ON per launch (default: upstream's measured 2810,2711)")
+    p.add_argument(
+        "--runtime-overhead-mib",
+        type=_overheads,
+        default=_overheads(DEFAULT_RUNTIME_OVERHEAD_MIB),
+        help="CUDA context + worst-case activation peak on top of the target weights, MiB: X for both "
+        "rows or OFF,ON per launch (default: upstream's measured 2810,2711)",
+    )
 
 
 def add_memory_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `memory` on the main CLI's subparsers."""
-    p = subparsers.add_parser("memory", help="KV budget table, DFlash off vs on, from config.json files",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "memory",
+        help="KV budget table, DFlash off vs on, from config.json files",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_arguments(p)
     p.set_defaults(func=run_memory)
     return p
@@ -104,62 +123,96 @@ def _device(args: argparse.Namespace) -> DeviceMemory | None:
         total = int(args.gpu_mem_gib * GiB)
         return DeviceMemory(total, total, f"{args.gpu_mem_gib:g} GiB given")
     import torch  # lazily: only needed to look for a device
+
     if not torch.cuda.is_available():
         return None
     from refengine.memory.device import read_device_memory
+
     return read_device_memory(args.device)
 
 
 def _row(name: str, plan: KvBudgetPlan) -> tuple[str, ...]:
-    return (name, str(mib(plan.margin_bytes)), str(mib(plan.kv_budget_bytes)), str(plan.num_blocks),
-            f"{plan.effective_bytes_per_block:,}", str(plan.max_context_tokens), str(plan.max_full_length_requests))
+    return (
+        name,
+        str(mib(plan.margin_bytes)),
+        str(mib(plan.kv_budget_bytes)),
+        str(plan.num_blocks),
+        f"{plan.effective_bytes_per_block:,}",
+        str(plan.max_context_tokens),
+        str(plan.max_full_length_requests),
+    )
 
 
 def _print_reservation(r: DFlashMemoryReservation) -> None:
     terms = r.terms()
-    per_token = " + ".join(f"{k.removesuffix('_bytes_per_token')} {v:,}" for k, v in terms.items()
-                           if k.endswith("_per_token"))
+    per_token = " + ".join(
+        f"{k.removesuffix('_bytes_per_token')} {v:,}" for k, v in terms.items() if k.endswith("_per_token")
+    )
     fixed = " + ".join(f"{k.removesuffix('_bytes')} {v:,}" for k, v in terms.items() if not k.endswith("_per_token"))
-    print(f"DFlash reservation ({r.accounting} accounting, page {r.page_size}, decode batch {r.max_decode_batch}, "
-          f"{r.dtype_bytes}-byte dtype):")
+    print(
+        f"DFlash reservation ({r.accounting} accounting, page {r.page_size}, decode batch {r.max_decode_batch}, "
+        f"{r.dtype_bytes}-byte dtype):"
+    )
     print(f"  per token  {per_token} = {r.per_token_bytes:,} B")
     print(f"  fixed      {fixed} = {r.fixed_bytes:,} B ({r.fixed_bytes / MiB:.1f} MiB)")
-    print(f"  per block  {r.target_bytes_per_block:,} B in the pool -> {r.effective_bytes_per_block:,} B effective "
-          f"(x{r.effective_factor:.3f})")
+    print(
+        f"  per block  {r.target_bytes_per_block:,} B in the pool -> {r.effective_bytes_per_block:,} B effective "
+        f"(x{r.effective_factor:.3f})"
+    )
 
 
 def run_memory(args: argparse.Namespace) -> int:
     """Print the table and a JSON summary. 0: both rows planned; 1: a row does not fit; 2: bad input (a
     RefEngineError, printed by refengine.cli.main as one line)."""
     target = ModelConfig.from_hf(load_config(args.target), where="target")
-    reservation = None if args.draft is None else DFlashMemoryReservation.from_config(
-        args.target, args.draft, page_size=args.page_size, max_decode_batch=args.max_decode_batch,
-        accounting=args.accounting)
+    reservation = (
+        None
+        if args.draft is None
+        else DFlashMemoryReservation.from_config(
+            args.target,
+            args.draft,
+            page_size=args.page_size,
+            max_decode_batch=args.max_decode_batch,
+            accounting=args.accounting,
+        )
+    )
     device = _device(args)
     if device is None:
-        print("refengine memory: no CUDA device; pass --gpu-mem-gib N to plan for a device of N GiB",
-              file=sys.stderr)
+        print("refengine memory: no CUDA device; pass --gpu-mem-gib N to plan for a device of N GiB", file=sys.stderr)
         return 2
     weights = target_weight_bytes(target)
     loaded = device.after_loading(weights, "target weights")
     overheads = {"off": int(args.runtime_overhead_mib[0] * MiB), "on": int(args.runtime_overhead_mib[1] * MiB)}
-    print(f"device: {mib(device.total_bytes)} MiB total, {mib(device.free_bytes)} MiB free ({device.source}); "
-          f"utilisation {args.util:.2f}")
-    print(f"before the pool: target weights {mib(weights)} MiB (config.json) + runtime overhead off "
-          f"{mib(overheads['off'])} / on {mib(overheads['on'])} MiB (--runtime-overhead-mib) "
-          f"+ margin {args.margin_mib} MiB")
+    print(
+        f"device: {mib(device.total_bytes)} MiB total, {mib(device.free_bytes)} MiB free ({device.source}); "
+        f"utilisation {args.util:.2f}"
+    )
+    print(
+        f"before the pool: target weights {mib(weights)} MiB (config.json) + runtime overhead off "
+        f"{mib(overheads['off'])} / on {mib(overheads['on'])} MiB (--runtime-overhead-mib) "
+        f"+ margin {args.margin_mib} MiB"
+    )
     if reservation is not None:
         _print_reservation(reservation)
 
-    summary: dict[str, Any] = {"command": "memory", "total_bytes": device.total_bytes,
-                               "free_bytes": device.free_bytes, "device_source": device.source,
-                               "target_weights_bytes": weights, "runtime_overhead_bytes": overheads,
-                               "reservation": None if reservation is None else
-                               {"accounting": reservation.accounting, **reservation.terms(),
-                                "per_token_bytes": reservation.per_token_bytes,
-                                "fixed_bytes": reservation.fixed_bytes,
-                                "bytes_per_block": reservation.target_bytes_per_block,
-                                "effective_bytes_per_block": reservation.effective_bytes_per_block}}
+    summary: dict[str, Any] = {
+        "command": "memory",
+        "total_bytes": device.total_bytes,
+        "free_bytes": device.free_bytes,
+        "device_source": device.source,
+        "target_weights_bytes": weights,
+        "runtime_overhead_bytes": overheads,
+        "reservation": None
+        if reservation is None
+        else {
+            "accounting": reservation.accounting,
+            **reservation.terms(),
+            "per_token_bytes": reservation.per_token_bytes,
+            "fixed_bytes": reservation.fixed_bytes,
+            "bytes_per_block": reservation.target_bytes_per_block,
+            "effective_bytes_per_block": reservation.effective_bytes_per_block,
+        },
+    }
     rows: list[tuple[str, ...]] = [HEADER]
     failed = False
     for name, key, res in (("DFlash off", "off", None), ("DFlash on", "on", reservation)):
@@ -168,10 +221,16 @@ def run_memory(args: argparse.Namespace) -> int:
             continue
         limit = res.max_context_tokens if res else target.max_position_embeddings
         try:
-            plan = plan_kv_budget(loaded, target_config=target, gpu_memory_utilization=args.util, reservation=res,
-                                  activation_peak_bytes=overheads[key], margin_bytes=args.margin_mib * MiB,
-                                  page_size=args.page_size,
-                                  max_context_tokens=min(args.max_context or limit, limit))
+            plan = plan_kv_budget(
+                loaded,
+                target_config=target,
+                gpu_memory_utilization=args.util,
+                reservation=res,
+                activation_peak_bytes=overheads[key],
+                margin_bytes=args.margin_mib * MiB,
+                page_size=args.page_size,
+                max_context_tokens=min(args.max_context or limit, limit),
+            )
         except RefEngineError as e:
             failed = failed or isinstance(e, KvBudgetError)
             rows.append((name, "does not fit", "", "", "", "", ""))
@@ -191,8 +250,9 @@ def run_memory(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="refengine memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="refengine memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_arguments(parser)
     return run_memory(parser.parse_args(argv))
 

@@ -3,6 +3,7 @@ activation peak over a temporary KV, reserve the drafter's footprint, and ask th
 
 `plan_device_pool` depends only on its arguments (the loaded target, the user's config, the drafter's
 config and the context cap); the engine applies the returned plan (pool size, allocator cap)."""
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def worst_case_rows(config: EngineConfig, draft_cfg: DFlashConfig | None, max_co
     return max(config.max_prefill_tokens, max_context, config.max_num_seqs * span)
 
 
-def profile_step(target: Qwen3Model, config: EngineConfig, capture: tuple[int, ...], rows: int,
-                 max_context: int) -> int:
+def profile_step(
+    target: Qwen3Model, config: EngineConfig, capture: tuple[int, ...], rows: int, max_context: int
+) -> int:
     """Activation peak (bytes) of one target forward of `rows` rows, over a temporary KV pool allocated
     before the measurement starts (so the KV is not counted).
     The attention backend (FlashInfer's workspace) is built inside the measured step: the engine allocates
@@ -38,27 +40,39 @@ def profile_step(target: Qwen3Model, config: EngineConfig, capture: tuple[int, .
     return peak
 
 
-def _profile_forward(target: Qwen3Model, config: EngineConfig, capture: tuple[int, ...], rows: int,
-                     max_context: int) -> int:
+def _profile_forward(
+    target: Qwen3Model, config: EngineConfig, capture: tuple[int, ...], rows: int, max_context: int
+) -> int:
     cfg, page = target.cfg, config.page_size
     # as many requests as it takes: no row may sit past the context (RoPE tables end there)
     lens = [min(max_context, rows - lo) for lo in range(0, rows, max_context)]
-    pool = KvPool(cfg.num_layers, sum(blocks_for(n, page) for n in lens), page, cfg.num_kv_heads, cfg.head_dim,
-                  target.dtype, target.device)
+    pool = KvPool(
+        cfg.num_layers,
+        sum(blocks_for(n, page) for n in lens),
+        page,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        target.dtype,
+        target.device,
+    )
     for i, n in enumerate(lens):
         pool.admit(i, n)
         pool.extend(i, n)
     ids = torch.zeros(rows, dtype=torch.long, device=target.device)
-    batch = AttnBatch(q_lens=lens, kv_lens=lens, block_tables=[pool.table(i) for i in range(len(lens))],
-                      slots=torch.cat([pool.slots(i, 0, n) for i, n in enumerate(lens)]).to(target.device),
-                      positions=torch.cat([torch.arange(n) for n in lens]).to(target.device))
+    batch = AttnBatch(
+        q_lens=lens,
+        kv_lens=lens,
+        block_tables=[pool.table(i) for i in range(len(lens))],
+        slots=torch.cat([pool.slots(i, 0, n) for i, n in enumerate(lens)]).to(target.device),
+        positions=torch.cat([torch.arange(n) for n in lens]).to(target.device),
+    )
 
     def step() -> None:
         attention = make_backend(config.backend_name, pool, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         with torch.inference_mode():
             hidden, _feats = target.forward(ids, batch, pool, attention, capture)
             # the worst read-out: one full chunk of logits with fp32 log-softmax and top-k (prompt logprobs)
-            read_logits(target, hidden[-min(rows, LOGIT_CHUNK_ROWS):], MAX_LOGPROBS)
+            read_logits(target, hidden[-min(rows, LOGIT_CHUNK_ROWS) :], MAX_LOGPROBS)
 
     # The temporary pool exists before the baseline is read, so the measured rise holds no KV to subtract.
     return profile_activation_peak(step, str(target.device), temporary_kv_bytes=0).non_kv_peak_increase_bytes
@@ -67,20 +81,20 @@ def _profile_forward(target: Qwen3Model, config: EngineConfig, capture: tuple[in
 FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # each graph-mode wrapper's own device int workspace
 
 
-def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None,
-                     max_context: int) -> int:
+def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None, max_context: int) -> int:
     """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
     dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
     The drafter graph's temporaries are the lane's batch scratch, already in the DFlash reservation."""
     from refengine.runner.graphs import batch_buckets
+
     c, b = target.cfg, target.dtype.itemsize
     span = draft_cfg.block_size if draft_cfg is not None else 1
     taps = len(draft_cfg.target_layer_ids) if draft_cfg is not None else 0
     buckets = batch_buckets(config.max_num_seqs)
     per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
     rows = sum(buckets) * (1 + (span if draft_cfg is not None else 0))  # decode + verify shapes
-    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))      # decode, verify, draft
+    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify, draft
     static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model
@@ -89,8 +103,9 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     return static + profile_step(target, config, capture, config.max_num_seqs * span, max_context)
 
 
-def plan_device_pool(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None,
-                     max_context: int) -> KvBudgetPlan:
+def plan_device_pool(
+    target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None, max_context: int
+) -> KvBudgetPlan:
     """The KV plan for this device. Call it with the target resident and the drafter not yet loaded: the
     reservation bills the drafter's weights itself, so reading memory after loading it would count them twice.
     `draft_cfg` is None when speculation is off."""
@@ -98,19 +113,31 @@ def plan_device_pool(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     reservation = None
     if draft_cfg is not None:
         reservation = DFlashMemoryReservation.from_models(
-            target.cfg, draft_cfg, page_size=config.page_size, max_decode_batch=config.max_num_seqs,
-            dtype_bytes=dtype_bytes, accounting=config.memory_accounting)
+            target.cfg,
+            draft_cfg,
+            page_size=config.page_size,
+            max_decode_batch=config.max_num_seqs,
+            dtype_bytes=dtype_bytes,
+            accounting=config.memory_accounting,
+        )
     torch.cuda.empty_cache()
     device = read_device_memory(dev)  # target resident, drafter not yet loaded, nothing cached
     capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
     activation = profile_step(target, config, capture, worst_case_rows(config, draft_cfg, max_context), max_context)
     graphs = 0 if config.graph_mode_name == "eager" else graph_pool_bytes(target, config, draft_cfg, max_context)
-    return plan_kv_budget(device, target_config=target.cfg, gpu_memory_utilization=config.gpu_memory_utilization,
-                          reservation=reservation, activation_peak_bytes=activation + graphs,
-                          graph_pool_bytes=graphs, page_size=config.page_size,
-                          dtype_bytes=dtype_bytes, max_context_tokens=max_context,
-                          # what the device holds outside torch's allocator (CUDA context, other processes)
-                          outside_torch_bytes=device.used_bytes - torch.cuda.memory_reserved(dev))
+    return plan_kv_budget(
+        device,
+        target_config=target.cfg,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        reservation=reservation,
+        activation_peak_bytes=activation + graphs,
+        graph_pool_bytes=graphs,
+        page_size=config.page_size,
+        dtype_bytes=dtype_bytes,
+        max_context_tokens=max_context,
+        # what the device holds outside torch's allocator (CUDA context, other processes)
+        outside_torch_bytes=device.used_bytes - torch.cuda.memory_reserved(dev),
+    )
 
 
 def cap_torch_allocator(plan: KvBudgetPlan, device: torch.device) -> None:

@@ -36,6 +36,7 @@ term covers the first prompt + max_tokens capacity rows and the headroom the las
 
 The planner that consumes this reservation is ``refengine.memory.planner``.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,10 +60,20 @@ from refengine.config import (
 from refengine.errors import UnsupportedConfigError
 
 ACCOUNTINGS = MEMORY_ACCOUNTINGS
-PER_TOKEN_TERMS = ("draft_kv_bytes_per_token", "context_scratch_bytes_per_token",
-                   "tail_scratch_bytes_per_token", "pending_features_bytes_per_token")
-FIXED_TERMS = ("drafter_weights_bytes", "weights_slack_bytes", "batch_dense_scratch_bytes",
-               "batch_logits_scratch_bytes", "block_headroom_bytes", "context_flush_scratch_bytes")
+PER_TOKEN_TERMS = (
+    "draft_kv_bytes_per_token",
+    "context_scratch_bytes_per_token",
+    "tail_scratch_bytes_per_token",
+    "pending_features_bytes_per_token",
+)
+FIXED_TERMS = (
+    "drafter_weights_bytes",
+    "weights_slack_bytes",
+    "batch_dense_scratch_bytes",
+    "batch_logits_scratch_bytes",
+    "block_headroom_bytes",
+    "context_flush_scratch_bytes",
+)
 ConfigSource = Mapping[str, Any] | str | os.PathLike
 
 
@@ -100,27 +111,26 @@ class DFlashMemoryReservation:
     page_size: int
     max_decode_batch: int
     block_size: int
-    max_context_tokens: int               # min(target MPE, drafter MPE - block_size)
-    target_bytes_per_block: int           # what a pool block really costs (target K/V only)
+    max_context_tokens: int  # min(target MPE, drafter MPE - block_size)
+    target_bytes_per_block: int  # what a pool block really costs (target K/V only)
     # per-token: scale with the pool
-    draft_kv_bytes_per_token: int         # context K and V of every drafter layer
+    draft_kv_bytes_per_token: int  # context K and V of every drafter layer
     context_scratch_bytes_per_token: int  # upstream: context_projected + context_hidden; lane: 0
-    tail_scratch_bytes_per_token: int     # upstream: tail_input + k_tail + v_tail; lane: 0
+    tail_scratch_bytes_per_token: int  # upstream: tail_input + k_tail + v_tail; lane: 0
     pending_features_bytes_per_token: int  # target features at the tap layers, not yet projected
     # fixed: do not scale with the pool
-    drafter_weights_bytes: int            # linear weights only; norms are inside the slack
-    weights_slack_bytes: int              # +10%: norms, RoPE tables, allocator alignment
-    batch_dense_scratch_bytes: int        # hidden / q / k / v / MLP rows of one N*B draft pass
-    batch_logits_scratch_bytes: int       # draft logits of one N*B pass (the largest term)
-    block_headroom_bytes: int             # N requests x B rows sized past the pool-billed lifetime
+    drafter_weights_bytes: int  # linear weights only; norms are inside the slack
+    weights_slack_bytes: int  # +10%: norms, RoPE tables, allocator alignment
+    batch_dense_scratch_bytes: int  # hidden / q / k / v / MLP rows of one N*B draft pass
+    batch_logits_scratch_bytes: int  # draft logits of one N*B pass (the largest term)
+    block_headroom_bytes: int  # N requests x B rows sized past the pool-billed lifetime
     context_flush_scratch_bytes: int = 0  # lane: one chunk of pending rows being projected (upstream: 0,
-                                          # its per-token context scratch covers it)
+    # its per-token context scratch covers it)
 
     def __post_init__(self) -> None:
         if self.accounting not in ACCOUNTINGS:
             raise UnsupportedConfigError(f"accounting={self.accounting!r}: use one of {ACCOUNTINGS}")
-        for name in ("dtype_bytes", "page_size", "max_decode_batch", "max_context_tokens",
-                     "target_bytes_per_block"):
+        for name in ("dtype_bytes", "page_size", "max_decode_batch", "max_context_tokens", "target_bytes_per_block"):
             if getattr(self, name) <= 0:
                 raise UnsupportedConfigError(f"{name}={getattr(self, name)} must be positive")
         if self.block_size < 2:
@@ -161,8 +171,9 @@ class DFlashMemoryReservation:
     def buffers_reserved_bytes(self, lifetimes: Sequence[int]) -> int:
         """Bytes reserved for the drafter's buffers (everything but weights) when these requests are live."""
         if len(lifetimes) > self.max_decode_batch:
-            raise ValueError(f"{len(lifetimes)} live requests exceed the reservation's decode batch "
-                             f"{self.max_decode_batch}")
+            raise ValueError(
+                f"{len(lifetimes)} live requests exceed the reservation's decode batch {self.max_decode_batch}"
+            )
         if any(n <= 0 for n in lifetimes):
             raise ValueError(f"lifetimes must be positive, got {list(lifetimes)}")
         buffers_fixed = self.fixed_bytes - self.drafter_weights_bytes - self.weights_slack_bytes
@@ -170,25 +181,47 @@ class DFlashMemoryReservation:
 
     # -- construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, target_config: ConfigSource, draft_config: ConfigSource, *, page_size: int = DEFAULT_PAGE_SIZE,
-                    max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
-                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> DFlashMemoryReservation:
+    def from_config(
+        cls,
+        target_config: ConfigSource,
+        draft_config: ConfigSource,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        max_decode_batch: int = DEFAULT_MAX_NUM_SEQS,
+        dtype_bytes: int = 2,
+        accounting: str = DEFAULT_MEMORY_ACCOUNTING,
+    ) -> DFlashMemoryReservation:
         """Read the two config.json files (dicts, checkpoint directories or files) and nothing else."""
         target = ModelConfig.from_hf(load_config(target_config), where="target")
         drafter = DFlashConfig.from_hf(load_config(draft_config))
         drafter.check_fits(target)
-        return cls.from_models(target, drafter, page_size=page_size, max_decode_batch=max_decode_batch,
-                               dtype_bytes=dtype_bytes, accounting=accounting)
+        return cls.from_models(
+            target,
+            drafter,
+            page_size=page_size,
+            max_decode_batch=max_decode_batch,
+            dtype_bytes=dtype_bytes,
+            accounting=accounting,
+        )
 
     @classmethod
-    def from_models(cls, target: ModelConfig, drafter: DFlashConfig, *, page_size: int = DEFAULT_PAGE_SIZE,
-                    max_decode_batch: int = DEFAULT_MAX_NUM_SEQS, dtype_bytes: int = 2,
-                    accounting: str = DEFAULT_MEMORY_ACCOUNTING) -> DFlashMemoryReservation:
+    def from_models(
+        cls,
+        target: ModelConfig,
+        drafter: DFlashConfig,
+        *,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        max_decode_batch: int = DEFAULT_MAX_NUM_SEQS,
+        dtype_bytes: int = 2,
+        accounting: str = DEFAULT_MEMORY_ACCOUNTING,
+    ) -> DFlashMemoryReservation:
         if accounting not in ACCOUNTINGS:
             raise UnsupportedConfigError(f"accounting={accounting!r}: use one of {ACCOUNTINGS}")
         if page_size <= 0 or max_decode_batch <= 0 or dtype_bytes <= 0:
-            raise UnsupportedConfigError(f"page_size={page_size}, max_decode_batch={max_decode_batch} and "
-                                         f"dtype_bytes={dtype_bytes} must be positive")
+            raise UnsupportedConfigError(
+                f"page_size={page_size}, max_decode_batch={max_decode_batch} and "
+                f"dtype_bytes={dtype_bytes} must be positive"
+            )
         d, b = drafter.model, dtype_bytes
         hd, ht, kv, q, inter = d.hidden_size, target.hidden_size, d.kv_dim, d.q_dim, d.intermediate_size
         n_taps, block, rows = len(drafter.target_layer_ids), drafter.block_size, drafter.block_size * max_decode_batch
@@ -197,7 +230,7 @@ class DFlashMemoryReservation:
         draft_kv = d.num_layers * 2 * kv * b
         pending = ht * n_taps * b
         per_layer = hd * (q + 2 * kv) + q * hd + 2 * hd * inter + inter * hd  # qkv, o, gate+up, down
-        weights = b * (d.num_layers * per_layer + hd * ht * n_taps)           # + fc (context projection)
+        weights = b * (d.num_layers * per_layer + hd * ht * n_taps)  # + fc (context projection)
         if accounting == "upstream":
             context_scratch, tail_scratch = 2 * hd * b, (hd + 2 * kv) * b
             dense = b * (5 * hd + 2 * q + 3 * inter) * rows
@@ -205,19 +238,28 @@ class DFlashMemoryReservation:
             headroom = rows * (draft_kv + tail_scratch)
         else:
             context_scratch = tail_scratch = 0
-            dense = b * (hd + q + 2 * kv + 2 * inter) * rows     # hidden, q, k, v, gate, up
+            dense = b * (hd + q + 2 * kv + 2 * inter) * rows  # hidden, q, k, v, gate, up
             logits = b * vocab * (block - 1) * max_decode_batch  # block row 0 is the known token
             headroom = rows * (draft_kv + pending)
             # one chunk of R pending rows in projection: the concatenated features, fc output, the fp32
             # temporaries of hidden_norm (3 x Hd fp32) and of each k_norm (2 x kv fp32), every layer's K and V
             flush = DRAFT_CONTEXT_FLUSH_ROWS * (pending + 2 * hd * b + 3 * hd * 4 + 2 * kv * 4 + draft_kv)
         return cls(
-            accounting=accounting, dtype_bytes=b, page_size=page_size, max_decode_batch=max_decode_batch,
-            block_size=block, max_context_tokens=max_context_tokens(target, drafter),
+            accounting=accounting,
+            dtype_bytes=b,
+            page_size=page_size,
+            max_decode_batch=max_decode_batch,
+            block_size=block,
+            max_context_tokens=max_context_tokens(target, drafter),
             target_bytes_per_block=target_kv_bytes_per_block(target, page_size, b),
-            draft_kv_bytes_per_token=draft_kv, context_scratch_bytes_per_token=context_scratch,
-            tail_scratch_bytes_per_token=tail_scratch, pending_features_bytes_per_token=pending,
-            drafter_weights_bytes=weights, weights_slack_bytes=weights // 10,
-            batch_dense_scratch_bytes=dense, batch_logits_scratch_bytes=logits, block_headroom_bytes=headroom,
-            context_flush_scratch_bytes=0 if accounting == "upstream" else flush)
-
+            draft_kv_bytes_per_token=draft_kv,
+            context_scratch_bytes_per_token=context_scratch,
+            tail_scratch_bytes_per_token=tail_scratch,
+            pending_features_bytes_per_token=pending,
+            drafter_weights_bytes=weights,
+            weights_slack_bytes=weights // 10,
+            batch_dense_scratch_bytes=dense,
+            batch_logits_scratch_bytes=logits,
+            block_headroom_bytes=headroom,
+            context_flush_scratch_bytes=0 if accounting == "upstream" else flush,
+        )

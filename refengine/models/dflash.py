@@ -6,6 +6,7 @@ every layer (k_proj -> k_norm -> RoPE, v_proj). A block [current, MASK x (B-1)] 
 Context and block K/V live in a paged pool (refengine.kv.KvPool) of the drafter's own geometry, so one
 attention backend call serves a whole batch of requests (torch on the CPU, FlashInfer on CUDA).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,14 +23,21 @@ from refengine.models.qwen3 import Qwen3Model
 
 
 class DFlashDrafter:
-    def __init__(self, cfg: DFlashConfig, fc: torch.Tensor, hidden_norm: torch.Tensor,
-                 layers: list[DecoderLayerWeights], norm: torch.Tensor, target: Qwen3Model):
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        fc: torch.Tensor,
+        hidden_norm: torch.Tensor,
+        layers: list[DecoderLayerWeights],
+        norm: torch.Tensor,
+        target: Qwen3Model,
+    ):
         self.cfg = cfg
         self.mcfg = cfg.model
-        self.fc = fc                    # [H, F*H]
+        self.fc = fc  # [H, F*H]
         self.hidden_norm = hidden_norm  # [H]
         self.layers = layers
-        self.norm = norm                # [H]
+        self.norm = norm  # [H]
         self.embed_tokens = target.embed_tokens  # shared with the target, frozen
         self.lm_head = target.lm_head
         self.rope = Rope(self.mcfg.head_dim, self.mcfg.rope_theta, self.mcfg.max_position_embeddings, fc.device)
@@ -69,8 +77,9 @@ class DFlashDrafter:
             out.append((self.rope.apply(k, positions), v))
         return out
 
-    def draft_logits(self, block_tokens: torch.Tensor, batch: AttnBatch, pool: KvPool, attention: AttentionBackend,
-                     fp32: bool = True) -> torch.Tensor:
+    def draft_logits(
+        self, block_tokens: torch.Tensor, batch: AttnBatch, pool: KvPool, attention: AttentionBackend, fp32: bool = True
+    ) -> torch.Tensor:
         """N blocks of B rows: block_tokens [N*B] at batch.positions, each request's context K/V already in
         `pool` at positions [0, start). The block's own K/V are written at batch.slots (positions
         [start, start + B), the request's scratch rows past its context: the next committed context rows

@@ -3,6 +3,7 @@
 
 Every op writes into a caller-owned buffer or in place, so a captured CUDA graph sees stable addresses.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -21,8 +22,9 @@ class Kernels(Protocol):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[R, 2I] ([gate; up]) -> silu(gate) * up [R, I]."""
 
-    def rope_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
-                     cos_sin: torch.Tensor) -> None:
+    def rope_inplace(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor
+    ) -> None:
         """Rotate-half RoPE in place on q [R, Hq, D] and k [R, Hk, D]; cos_sin [max_pos, D] fp32 holds cos in
         its first half and sin in its second."""
 
@@ -48,8 +50,9 @@ class TorchKernels:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
-                     cos_sin: torch.Tensor) -> None:
+    def rope_inplace(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor
+    ) -> None:
         half = head_dim // 2
         cos = cos_sin[positions, :half].repeat(1, 2).to(q.dtype)[:, None, :]  # [R, 1, D], as HF casts
         sin = cos_sin[positions, half:].repeat(1, 2).to(q.dtype)[:, None, :]
@@ -63,6 +66,7 @@ class FlashInferKernels:
 
     def __init__(self) -> None:
         import flashinfer  # lazily: CPU installs never need it
+
         self._fi = flashinfer
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -74,10 +78,12 @@ class FlashInferKernels:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._fi.silu_and_mul(gate_up)
 
-    def rope_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int,
-                     cos_sin: torch.Tensor) -> None:
-        self._fi.apply_rope_with_cos_sin_cache_inplace(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1),
-                                                       head_dim, cos_sin, is_neox=True)
+    def rope_inplace(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor
+    ) -> None:
+        self._fi.apply_rope_with_cos_sin_cache_inplace(
+            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, is_neox=True
+        )
 
 
 def kernels_for(device: torch.device, fused: bool) -> Kernels:

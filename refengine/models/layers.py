@@ -1,4 +1,5 @@
 """Building blocks shared by the Qwen3 target and the DFlash drafter, written to HF's rounding order."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,35 +39,50 @@ class Rope:
 
 @dataclass
 class DecoderLayerWeights:
-    input_norm: torch.Tensor     # [H]
-    post_norm: torch.Tensor      # [H]
-    q_proj: torch.Tensor         # [nh*d, H]
-    k_proj: torch.Tensor         # [nkv*d, H]
-    v_proj: torch.Tensor         # [nkv*d, H]
-    o_proj: torch.Tensor         # [H, nh*d]
-    q_norm: torch.Tensor         # [d]
-    k_norm: torch.Tensor         # [d]
-    gate_proj: torch.Tensor      # [I, H]
-    up_proj: torch.Tensor        # [I, H]
-    down_proj: torch.Tensor      # [H, I]
+    input_norm: torch.Tensor  # [H]
+    post_norm: torch.Tensor  # [H]
+    q_proj: torch.Tensor  # [nh*d, H]
+    k_proj: torch.Tensor  # [nkv*d, H]
+    v_proj: torch.Tensor  # [nkv*d, H]
+    o_proj: torch.Tensor  # [H, nh*d]
+    q_norm: torch.Tensor  # [d]
+    k_norm: torch.Tensor  # [d]
+    gate_proj: torch.Tensor  # [I, H]
+    up_proj: torch.Tensor  # [I, H]
+    down_proj: torch.Tensor  # [H, I]
 
     @staticmethod
     def names(prefix: str) -> dict[str, str]:
         return {
-            "input_norm": f"{prefix}input_layernorm.weight", "post_norm": f"{prefix}post_attention_layernorm.weight",
-            "q_proj": f"{prefix}self_attn.q_proj.weight", "k_proj": f"{prefix}self_attn.k_proj.weight",
-            "v_proj": f"{prefix}self_attn.v_proj.weight", "o_proj": f"{prefix}self_attn.o_proj.weight",
-            "q_norm": f"{prefix}self_attn.q_norm.weight", "k_norm": f"{prefix}self_attn.k_norm.weight",
-            "gate_proj": f"{prefix}mlp.gate_proj.weight", "up_proj": f"{prefix}mlp.up_proj.weight",
+            "input_norm": f"{prefix}input_layernorm.weight",
+            "post_norm": f"{prefix}post_attention_layernorm.weight",
+            "q_proj": f"{prefix}self_attn.q_proj.weight",
+            "k_proj": f"{prefix}self_attn.k_proj.weight",
+            "v_proj": f"{prefix}self_attn.v_proj.weight",
+            "o_proj": f"{prefix}self_attn.o_proj.weight",
+            "q_norm": f"{prefix}self_attn.q_norm.weight",
+            "k_norm": f"{prefix}self_attn.k_norm.weight",
+            "gate_proj": f"{prefix}mlp.gate_proj.weight",
+            "up_proj": f"{prefix}mlp.up_proj.weight",
             "down_proj": f"{prefix}mlp.down_proj.weight",
         }
 
     @staticmethod
     def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        return {"input_norm": (h,), "post_norm": (h,), "q_proj": (cfg.q_dim, h), "k_proj": (cfg.kv_dim, h),
-                "v_proj": (cfg.kv_dim, h), "o_proj": (h, cfg.q_dim), "q_norm": (d,), "k_norm": (d,),
-                "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+        return {
+            "input_norm": (h,),
+            "post_norm": (h,),
+            "q_proj": (cfg.q_dim, h),
+            "k_proj": (cfg.kv_dim, h),
+            "v_proj": (cfg.kv_dim, h),
+            "o_proj": (h, cfg.q_dim),
+            "q_norm": (d,),
+            "k_norm": (d,),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
 
     @classmethod
     def load(cls, src: TensorSource, prefix: str, cfg: ModelConfig, dtype, device) -> DecoderLayerWeights:

@@ -3,6 +3,7 @@
 A file safetensors cannot read (empty, truncated, header only, not safetensors) is a CheckpointError naming the
 checkpoint and the file; every loaded tensor must be floating point and finite (NaN/Inf are named by tensor).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -26,8 +27,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     if index.is_file():
         weight_map = read_json_object(index, "sharded-checkpoint index").get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names, "
-                                  f"got {str(weight_map)[:80]}")
+            raise CheckpointError(
+                f"{index}: 'weight_map' must map tensor names to shard file names, got {str(weight_map)[:80]}"
+            )
         files = sorted({d / f for f in weight_map.values()})
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -47,10 +49,17 @@ def open_safetensors(f: Path, checkpoint: Path):
             yield fh
     except (SafetensorError, OSError) as e:
         size = f.stat().st_size if f.is_file() else None
-        what = ("is empty (0 bytes)" if size == 0 else
-                f"is not a readable safetensors file ({size} bytes)" if size is not None else "cannot be read")
-        raise CheckpointError(f"checkpoint {checkpoint}: weights file {f.name} {what}: {e}. "
-                              f"A truncated or interrupted download? Fetch {f.name} again.") from e
+        what = (
+            "is empty (0 bytes)"
+            if size == 0
+            else f"is not a readable safetensors file ({size} bytes)"
+            if size is not None
+            else "cannot be read"
+        )
+        raise CheckpointError(
+            f"checkpoint {checkpoint}: weights file {f.name} {what}: {e}. "
+            f"A truncated or interrupted download? Fetch {f.name} again."
+        ) from e
 
 
 def check_finite(t: torch.Tensor, name: str, f: Path, source: torch.Tensor) -> None:
@@ -63,8 +72,10 @@ def check_finite(t: torch.Tensor, name: str, f: Path, source: torch.Tensor) -> N
     cast = ""
     if bool(torch.isfinite(source).all()):  # finite as stored: the conversion overflowed
         cast = f" after conversion from {source.dtype} to {t.dtype} (values overflow it)"
-    raise CheckpointError(f"{f}: tensor {name!r} holds {nan} NaN and {inf} Inf values of {flat.numel()}{cast}; "
-                          f"refusing to load non-finite weights")
+    raise CheckpointError(
+        f"{f}: tensor {name!r} holds {nan} NaN and {inf} Inf values of {flat.numel()}{cast}; "
+        f"refusing to load non-finite weights"
+    )
 
 
 class TensorSource:
@@ -91,8 +102,7 @@ class TensorSource:
         with open_safetensors(f, self.path) as fh:
             t = fh.get_tensor(name)
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{f}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
+            raise CheckpointError(f"{f}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}")
         if not t.is_floating_point():
             raise CheckpointError(f"{f}: tensor {name!r} has dtype {t.dtype}, expected a floating-point weight")
         out = t.to(device=device, dtype=dtype)
@@ -102,8 +112,10 @@ class TensorSource:
     def check_no_extra(self, expected: set[str], ignore_prefixes: tuple[str, ...] = ()) -> None:
         extra = sorted(n for n in self.names() - expected if not n.startswith(ignore_prefixes))
         if extra:
-            raise CheckpointError(f"{self.path}: unexpected tensors {extra[:8]}"
-                                  f"{' ...' if len(extra) > 8 else ''} (misnamed? expected HF names)")
+            raise CheckpointError(
+                f"{self.path}: unexpected tensors {extra[:8]}"
+                f"{' ...' if len(extra) > 8 else ''} (misnamed? expected HF names)"
+            )
 
 
 class SyntheticTensorSource:

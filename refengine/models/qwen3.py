@@ -3,6 +3,7 @@
 Each decoder layer is split into pre_attn (norm, qkv, q/k norm, RoPE, KV append) / attn / post_attn
 (o-proj, residual, MLP) so the verify forward can be cut into dense segments around attention.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,18 +18,30 @@ from refengine.models.loader import tensor_source
 
 
 class Qwen3Model:
-    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayerWeights],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[DecoderLayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ):
         self.cfg = cfg
-        self.embed_tokens = embed   # [V, H]
+        self.embed_tokens = embed  # [V, H]
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head      # [V, H]; the same tensor as embed_tokens when tied
+        self.lm_head = lm_head  # [V, H]; the same tensor as embed_tokens when tied
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu", synthetic: bool = False) -> Qwen3Model:
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        synthetic: bool = False,
+    ) -> Qwen3Model:
         """Load by HF names; synthetic=True draws seeded random weights from config.json alone."""
         raw = read_config_json(path)
         cfg = ModelConfig.from_hf(raw)
@@ -42,10 +55,12 @@ class Qwen3Model:
                 f"checkpoint {path}: config.json has tie_word_embeddings "
                 f"{'false' if raw.get('tie_word_embeddings') is not None else 'absent (false, as HF)'} but no tensor "
                 f"'lm_head.weight' (expected shape {[v, h]}); set tie_word_embeddings true if the head is the "
-                f"embedding")
+                f"embedding"
+            )
         embed = src.get("model.embed_tokens.weight", (v, h), dtype, device)
-        layers = [DecoderLayerWeights.load(src, f"model.layers.{i}.", cfg, dtype, device)
-                  for i in range(cfg.num_layers)]
+        layers = [
+            DecoderLayerWeights.load(src, f"model.layers.{i}.", cfg, dtype, device) for i in range(cfg.num_layers)
+        ]
         norm = src.get("model.norm.weight", (h,), dtype, device)
         lm_head = embed if cfg.tie_word_embeddings else src.get("lm_head.weight", (v, h), dtype, device)
         expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
@@ -77,8 +92,9 @@ class Qwen3Model:
         h = h + F.linear(attn_out.reshape(h.shape[0], -1), w.o_proj)
         return mlp_residual(w, h, self.cfg.rms_norm_eps)
 
-    def forward(self, token_ids: torch.Tensor, batch, pool, attention,
-                capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, token_ids: torch.Tensor, batch, pool, attention, capture_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T ragged rows. Returns (final hidden [T, H] after the final norm, captured features
         [T, len(capture_layers) * H] or None). Captured id L is the output of layer L (HF hidden_states[L+1])."""
         attention.prepare(batch)

@@ -11,6 +11,7 @@ pre_attn = merged QKV GEMM, per-head q/k norm, RoPE, K/V written at the rows' sl
 residual add + post-attention norm, merged gate/up GEMM, SiLU-and-mul, down_proj. A residual stream is kept
 apart from the hidden rows so each residual add fuses into the next norm (FlashInfer fused_add_rmsnorm).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,9 +27,9 @@ from refengine.models.layers import DecoderLayerWeights, Rope
 
 @dataclass
 class MergedLayer:
-    qkv: torch.Tensor          # [(nh + 2 nkv) d, H]: q_proj; k_proj; v_proj
-    gate_up: torch.Tensor      # [2I, H]: gate_proj; up_proj
-    w: DecoderLayerWeights     # o_proj, down_proj and the norms (its q/k/v/gate/up are views into the above)
+    qkv: torch.Tensor  # [(nh + 2 nkv) d, H]: q_proj; k_proj; v_proj
+    gate_up: torch.Tensor  # [2I, H]: gate_proj; up_proj
+    w: DecoderLayerWeights  # o_proj, down_proj and the norms (its q/k/v/gate/up are views into the above)
 
 
 def merge_layer(w: DecoderLayerWeights) -> MergedLayer:
@@ -37,7 +38,7 @@ def merge_layer(w: DecoderLayerWeights) -> MergedLayer:
     qkv = torch.cat([w.q_proj, w.k_proj, w.v_proj])
     gate_up = torch.cat([w.gate_proj, w.up_proj])
     q, kv, i = w.q_proj.shape[0], w.k_proj.shape[0], w.gate_proj.shape[0]
-    w.q_proj, w.k_proj, w.v_proj = qkv[:q], qkv[q:q + kv], qkv[q + kv:]
+    w.q_proj, w.k_proj, w.v_proj = qkv[:q], qkv[q : q + kv], qkv[q + kv :]
     w.gate_proj, w.up_proj = gate_up[:i], gate_up[i:]
     return MergedLayer(qkv, gate_up, w)
 
@@ -46,58 +47,106 @@ def merge_layer(w: DecoderLayerWeights) -> MergedLayer:
 class ContextInputs:
     """The drafter graph's context rows: target features of newly committed positions, projected to every
     layer's K/V inside the graph (fc, hidden_norm, k_proj, k_norm, RoPE; v_proj) and written at `slots`."""
-    feats: torch.Tensor         # [rows, len(taps) * H_target]
-    positions: torch.Tensor     # [rows] int64
-    slots: torch.Tensor         # [rows] int64 (padding rows: the dummy page)
-    k: torch.Tensor             # [rows, nkv, d]
-    q_dummy: torch.Tensor       # [rows, 1, d]: FlashInfer's RoPE rotates a q and a k of the same row count
+
+    feats: torch.Tensor  # [rows, len(taps) * H_target]
+    positions: torch.Tensor  # [rows] int64
+    slots: torch.Tensor  # [rows] int64 (padding rows: the dummy page)
+    k: torch.Tensor  # [rows, nkv, d]
+    q_dummy: torch.Tensor  # [rows, 1, d]: FlashInfer's RoPE rotates a q and a k of the same row count
 
 
 @dataclass
 class StepState:
     """The persistent buffers of one graph shape, `rows` rows each (a bucket's padded row count)."""
-    ids: torch.Tensor           # [rows] int64
-    positions: torch.Tensor     # [rows] int64
-    slots: torch.Tensor         # [rows] int64: KV slot of each row (padding rows: the pool's dummy page)
-    score_index: torch.Tensor   # [S] int64: rows whose argmax is read
-    hidden: torch.Tensor        # [rows, H]
-    residual: torch.Tensor      # [rows, H]
-    q: torch.Tensor             # [rows, nh, d]
-    k: torch.Tensor             # [rows, nkv, d]
-    attn_out: torch.Tensor      # [rows, nh, d]
-    taps: torch.Tensor | None   # [rows, len(taps) * H]: layer outputs handed to the drafter
-    argmax: torch.Tensor        # [S] int64
+
+    ids: torch.Tensor  # [rows] int64
+    positions: torch.Tensor  # [rows] int64
+    slots: torch.Tensor  # [rows] int64: KV slot of each row (padding rows: the pool's dummy page)
+    score_index: torch.Tensor  # [S] int64: rows whose argmax is read
+    hidden: torch.Tensor  # [rows, H]
+    residual: torch.Tensor  # [rows, H]
+    q: torch.Tensor  # [rows, nh, d]
+    k: torch.Tensor  # [rows, nkv, d]
+    attn_out: torch.Tensor  # [rows, nh, d]
+    taps: torch.Tensor | None  # [rows, len(taps) * H]: layer outputs handed to the drafter
+    argmax: torch.Tensor  # [S] int64
     context: ContextInputs | None = None
 
     def head(self, rows: int) -> StepState:
         """Views of the first `rows` rows (the capture-shape rule switched off, in tests only)."""
+
         def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:rows]
+
         keep = self.score_index < rows
-        return StepState(self.ids[:rows], self.positions[:rows], self.slots[:rows], self.score_index[keep],
-                         self.hidden[:rows], self.residual[:rows], self.q[:rows], self.k[:rows], self.attn_out[:rows],
-                         cut(self.taps), self.argmax[:int(keep.sum())])
+        return StepState(
+            self.ids[:rows],
+            self.positions[:rows],
+            self.slots[:rows],
+            self.score_index[keep],
+            self.hidden[:rows],
+            self.residual[:rows],
+            self.q[:rows],
+            self.k[:rows],
+            self.attn_out[:rows],
+            cut(self.taps),
+            self.argmax[: int(keep.sum())],
+        )
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, rows: int, score_index: torch.Tensor, num_taps: int,
-                 dtype: torch.dtype, device: torch.device, context_width: int = 0) -> StepState:
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        rows: int,
+        score_index: torch.Tensor,
+        num_taps: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        context_width: int = 0,
+    ) -> StepState:
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dt, device=device)  # zeros: padding rows stay finite
+
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        context = None if not context_width else ContextInputs(
-            z(rows, context_width), z(rows, dt=torch.long), z(rows, dt=torch.long), z(rows, nkv, d), z(rows, 1, d))
-        return cls(ids=z(rows, dt=torch.long), positions=z(rows, dt=torch.long), slots=z(rows, dt=torch.long),
-                   score_index=score_index.to(device), hidden=z(rows, h), residual=z(rows, h), q=z(rows, nh, d),
-                   k=z(rows, nkv, d), attn_out=z(rows, nh, d), taps=z(rows, num_taps * h) if num_taps else None,
-                   argmax=z(score_index.numel(), dt=torch.long), context=context)
+        context = (
+            None
+            if not context_width
+            else ContextInputs(
+                z(rows, context_width), z(rows, dt=torch.long), z(rows, dt=torch.long), z(rows, nkv, d), z(rows, 1, d)
+            )
+        )
+        return cls(
+            ids=z(rows, dt=torch.long),
+            positions=z(rows, dt=torch.long),
+            slots=z(rows, dt=torch.long),
+            score_index=score_index.to(device),
+            hidden=z(rows, h),
+            residual=z(rows, h),
+            q=z(rows, nh, d),
+            k=z(rows, nkv, d),
+            attn_out=z(rows, nh, d),
+            taps=z(rows, num_taps * h) if num_taps else None,
+            argmax=z(score_index.numel(), dt=torch.long),
+            context=context,
+        )
 
 
 class SegmentedStack:
     """The segments of one model over one pool. `tap_layers`: layers whose outputs go to st.taps."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[MergedLayer], embed: torch.Tensor, final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, rope: Rope, pool: KvPool, kernels: Kernels, tap_layers: tuple[int, ...] = (),
-                 context_proj: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layers: list[MergedLayer],
+        embed: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        rope: Rope,
+        pool: KvPool,
+        kernels: Kernels,
+        tap_layers: tuple[int, ...] = (),
+        context_proj: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         self.cfg, self.layers, self.embed, self.final_norm, self.lm_head = cfg, layers, embed, final_norm, lm_head
         self.pool, self.kernels, self.tap_layers = pool, kernels, tap_layers
         self.context_proj = context_proj  # the drafter's (fc [H, F*H], hidden_norm [H]): context rows in segment 0
@@ -123,7 +172,7 @@ class SegmentedStack:
             if i - 1 in self.tap_layers:
                 j, h = self.tap_layers.index(i - 1), self.cfg.hidden_size
                 assert st.taps is not None
-                st.taps[:, j * h:(j + 1) * h].copy_(st.residual)
+                st.taps[:, j * h : (j + 1) * h].copy_(st.residual)
         if i < n:
             self._pre_attn(i, st)
         else:
@@ -138,25 +187,29 @@ class SegmentedStack:
         self.kernels.rmsnorm(F.linear(ctx.feats, fc), hidden_norm, c.rms_norm_eps, out=x)
         rows, kvd = x.shape[0], c.kv_dim
         for i, layer in enumerate(self.layers):
-            kv = F.linear(x, layer.qkv[c.q_dim:])  # [rows, 2 kvd]: k_proj; v_proj
-            self.kernels.rmsnorm(kv[:, :kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps,
-                                 out=ctx.k)
+            kv = F.linear(x, layer.qkv[c.q_dim :])  # [rows, 2 kvd]: k_proj; v_proj
+            self.kernels.rmsnorm(
+                kv[:, :kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps, out=ctx.k
+            )
             self.kernels.rope_inplace(ctx.positions, ctx.q_dummy, ctx.k, c.head_dim, self.cos_sin)
             self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, ctx.slots, ctx.k)
             self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
-                0, ctx.slots, kv[:, kvd:].view(rows, c.num_kv_heads, c.head_dim))
+                0, ctx.slots, kv[:, kvd:].view(rows, c.num_kv_heads, c.head_dim)
+            )
 
     def _pre_attn(self, i: int, st: StepState) -> None:
         c, layer = self.cfg, self.layers[i]
         rows, qd, kvd = st.hidden.shape[0], c.q_dim, c.kv_dim
         qkv = F.linear(st.hidden, layer.qkv)  # [rows, qd + 2 kvd]
         self.kernels.rmsnorm(qkv[:, :qd].view(rows, c.num_heads, c.head_dim), layer.w.q_norm, c.rms_norm_eps, out=st.q)
-        self.kernels.rmsnorm(qkv[:, qd:qd + kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm,
-                             c.rms_norm_eps, out=st.k)
+        self.kernels.rmsnorm(
+            qkv[:, qd : qd + kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps, out=st.k
+        )
         self.kernels.rope_inplace(st.positions, st.q, st.k, c.head_dim, self.cos_sin)
         self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, st.slots, st.k)
         self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
-            0, st.slots, qkv[:, qd + kvd:].view(rows, c.num_kv_heads, c.head_dim))
+            0, st.slots, qkv[:, qd + kvd :].view(rows, c.num_kv_heads, c.head_dim)
+        )
 
     def _post_attn(self, i: int, st: StepState) -> None:
         layer, eps = self.layers[i], self.cfg.rms_norm_eps

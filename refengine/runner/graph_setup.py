@@ -1,5 +1,6 @@
 """Build the graph runners of an engine: decode and verify for the target, the block forward for the drafter.
 Merged weights and fused kernels are set up here (FlashInfer's on CUDA in bf16/fp16, torch's otherwise)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,16 +27,36 @@ def _kernels(model_dtype: torch.dtype, device: torch.device):
     return kernels_for(device, fused=model_dtype in (torch.bfloat16, torch.float16))
 
 
-def build_target_graphs(target: Qwen3Model, pool: KvPool, config: EngineConfig, capturer: Capturer,
-                        tap_layers: tuple[int, ...], verify_span: int | None,
-                        capture_shape_rule: bool = True) -> dict[str, GraphRunner]:
+def build_target_graphs(
+    target: Qwen3Model,
+    pool: KvPool,
+    config: EngineConfig,
+    capturer: Capturer,
+    tap_layers: tuple[int, ...],
+    verify_span: int | None,
+    capture_shape_rule: bool = True,
+) -> dict[str, GraphRunner]:
     """'decode' (one row per request) and, with a proposer, 'verify' (verify_span rows per request)."""
-    stack = SegmentedStack(target.cfg, [merge_layer(w) for w in target.layers], target.embed_tokens,
-                           target.final_norm, target.lm_head, target.rope, pool,
-                           _kernels(target.dtype, target.device), tap_layers)
+    stack = SegmentedStack(
+        target.cfg,
+        [merge_layer(w) for w in target.layers],
+        target.embed_tokens,
+        target.final_norm,
+        target.lm_head,
+        target.rope,
+        pool,
+        _kernels(target.dtype, target.device),
+        tap_layers,
+    )
     make = _attention_factory(config, pool, target.cfg)
-    kw = dict(mode=config.graph_mode_name, max_batch=config.max_num_seqs, causal=True, score="all",
-              capturer=capturer, capture_shape_rule=capture_shape_rule)
+    kw = dict(
+        mode=config.graph_mode_name,
+        max_batch=config.max_num_seqs,
+        causal=True,
+        score="all",
+        capturer=capturer,
+        capture_shape_rule=capture_shape_rule,
+    )
     runners = {"decode": GraphRunner(stack, make, span=1, **kw)}  # type: ignore[arg-type]
     if verify_span is not None:
         runners["verify"] = GraphRunner(stack, make, span=verify_span, **kw)  # type: ignore[arg-type]
@@ -44,9 +65,24 @@ def build_target_graphs(target: Qwen3Model, pool: KvPool, config: EngineConfig, 
 
 def build_draft_graph(drafter: DFlashDrafter, pool: KvPool, config: EngineConfig, capturer: Capturer) -> GraphRunner:
     m = drafter.mcfg
-    stack = SegmentedStack(m, [merge_layer(w) for w in drafter.layers], drafter.embed_tokens, drafter.norm,
-                           drafter.lm_head, drafter.rope, pool, _kernels(drafter.fc.dtype, drafter.fc.device),
-                           context_proj=(drafter.fc, drafter.hidden_norm))
-    return GraphRunner(stack, _attention_factory(config, pool, m), mode=config.graph_mode_name,
-                       span=drafter.cfg.block_size, max_batch=config.max_num_seqs, causal=False, score="block",
-                       capturer=capturer)
+    stack = SegmentedStack(
+        m,
+        [merge_layer(w) for w in drafter.layers],
+        drafter.embed_tokens,
+        drafter.norm,
+        drafter.lm_head,
+        drafter.rope,
+        pool,
+        _kernels(drafter.fc.dtype, drafter.fc.device),
+        context_proj=(drafter.fc, drafter.hidden_norm),
+    )
+    return GraphRunner(
+        stack,
+        _attention_factory(config, pool, m),
+        mode=config.graph_mode_name,
+        span=drafter.cfg.block_size,
+        max_batch=config.max_num_seqs,
+        causal=False,
+        score="block",
+        capturer=capturer,
+    )

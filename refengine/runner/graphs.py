@@ -13,6 +13,7 @@ budget replays a full-shape graph with padding (nothing is under-computed), and 
 replay a graph captured short. `capture_shape_rule=False` (tests only) reproduces upstream's bug instead:
 capture at the first step's rows, replay every later step of that bucket with only those rows computed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -34,10 +35,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 @dataclass(frozen=True)
 class StepRow:
     """One real request of a step: `tokens` fed at positions [start, start + len(tokens)), KV at `slots`."""
+
     req_id: int
     start: int
     tokens: list[int]
-    kv_len: int               # keys the request attends: start + len(tokens) (verify) or start + B (draft)
+    kv_len: int  # keys the request attends: start + len(tokens) (verify) or start + B (draft)
 
 
 class Capturer:
@@ -71,10 +73,11 @@ class Capturer:
 class StepGraph:
     """One captured shape: persistent buffers, the attention for its batch, the replayable pieces."""
 
-    def __init__(self, stack: SegmentedStack, attention, bucket: int, span: int, rows: int, causal: bool,
-                 buffers: StepState):
+    def __init__(
+        self, stack: SegmentedStack, attention, bucket: int, span: int, rows: int, causal: bool, buffers: StepState
+    ):
         self.stack, self.attention, self.bucket, self.span, self.causal = stack, attention, bucket, span, causal
-        self.rows = rows        # rows computed at replay (== bucket x span under the capture-shape rule)
+        self.rows = rows  # rows computed at replay (== bucket x span under the capture-shape rule)
         self.buffers = buffers  # every row of the shape: results are read here (stale past `rows`, rule off)
         self.state = buffers if rows == buffers.ids.shape[0] else buffers.head(rows)  # what the pieces compute
         self.pieces: list[Callable[[], None]] = []
@@ -126,8 +129,19 @@ class StepGraph:
 class GraphRunner:
     """Captured shapes of one model (`stack`) for one kind of step, by batch bucket."""
 
-    def __init__(self, stack: SegmentedStack, make_attention: Callable[[int], object], *, mode: str, span: int,
-                 max_batch: int, causal: bool, score: str, capturer: Capturer, capture_shape_rule: bool = True):
+    def __init__(
+        self,
+        stack: SegmentedStack,
+        make_attention: Callable[[int], object],
+        *,
+        mode: str,
+        span: int,
+        max_batch: int,
+        causal: bool,
+        score: str,
+        capturer: Capturer,
+        capture_shape_rule: bool = True,
+    ):
         if mode not in ("piecewise", "full"):
             raise ValueError(f"graph mode {mode!r}: a GraphRunner runs 'piecewise' or 'full'")
         self.stack, self.make_attention, self.mode, self.span = stack, make_attention, mode, span
@@ -158,8 +172,9 @@ class GraphRunner:
         # lists on it), all on the dummy pages, so the warm-up and capture runs touch no request's KV.
         q_lens = [rows // bucket] * bucket
         q_lens[0] += rows % bucket
-        g.attention.plan(AttnBatch(q_lens, q_lens, [pool.dummy_blocks] * bucket, torch.empty(0), torch.empty(0),
-                                   causal=self.causal))
+        g.attention.plan(
+            AttnBatch(q_lens, q_lens, [pool.dummy_blocks] * bucket, torch.empty(0), torch.empty(0), causal=self.causal)
+        )
         g.pieces = self._capture(g)
         self.graphs[bucket] = g
         return g
@@ -171,8 +186,9 @@ class GraphRunner:
         else:  # "block": rows 1..span-1 of each block (the drafter's predictions)
             index = torch.tensor([i * self.span + j for i in range(bucket) for j in range(1, self.span)])
         width = self.stack.context_proj[0].shape[1] if self.stack.context_proj is not None else 0
-        return StepState.allocate(self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device,
-                                  context_width=width)
+        return StepState.allocate(
+            self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device, context_width=width
+        )
 
     def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
         st, stack, n = g.state, self.stack, len(self.stack.layers)
@@ -182,12 +198,15 @@ class GraphRunner:
 
         def attn(i: int) -> Callable[[], None]:
             return lambda: g.attention.run(i, st.q, st.attn_out)
+
         if self.mode == "full":
+
             def whole() -> None:
                 for i in range(n):
                     stack.segment(i, st)
                     g.attention.run(i, st.q, st.attn_out)
                 stack.segment(n, st)
+
             return [self.capturer.capture(whole)]
         pieces: list[Callable[[], None]] = []
         for i in range(n):

@@ -1,10 +1,11 @@
 """Reading logits out of normed hidden states in bounded chunks (argmax, optional top-k logprobs)."""
+
 from __future__ import annotations
 
 import torch
 
 LOGIT_CHUNK_ROWS = 1024  # logits rows materialised at once: bounds the [rows, vocab] transient (the planner
-                         # profiles exactly this chunk)
+# profiles exactly this chunk)
 
 TopK = tuple[list[int], list[float]]  # (ids, logprobs) of one position, best first
 
@@ -17,7 +18,7 @@ def read_logits(target, hidden: torch.Tensor, k: int) -> tuple[list[int], list[l
     top_ids: list[list[int]] = []
     top_lp: list[list[float]] = []
     for lo in range(0, hidden.shape[0], LOGIT_CHUNK_ROWS):
-        logits = target.logits(hidden[lo:lo + LOGIT_CHUNK_ROWS], fp32=False)  # [r, V]
+        logits = target.logits(hidden[lo : lo + LOGIT_CHUNK_ROWS], fp32=False)  # [r, V]
         argmax += logits.argmax(-1).tolist()
         if k:
             top = logits.float().log_softmax(-1).topk(k, dim=-1)

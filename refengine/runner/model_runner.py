@@ -1,5 +1,6 @@
 """Turns a plan into batch tensors, runs the eager forward(s), and reads back argmax / top-k. Tap-layer
 features of speculating requests go straight to the proposer (staged until the scheduler commits them)."""
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,14 @@ Span = tuple[int, int, int]  # (req_id, start, q_len): rows at positions [start,
 
 
 class ModelRunner:
-    def __init__(self, target: Qwen3Model, pool: KvPool, attention: AttentionBackend,
-                 proposer: Proposer | None = None, graphs: dict[str, GraphRunner] | None = None):
+    def __init__(
+        self,
+        target: Qwen3Model,
+        pool: KvPool,
+        attention: AttentionBackend,
+        proposer: Proposer | None = None,
+        graphs: dict[str, GraphRunner] | None = None,
+    ):
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
@@ -41,9 +48,9 @@ class ModelRunner:
         taps = g.buffers.taps[:total].clone() if capture and g.buffers.taps is not None else None  # reused buffer
         for s in steps:
             n = len(s.tokens)
-            out.append(argmax[row:row + n])
+            out.append(argmax[row : row + n])
             if taps is not None and self.proposer is not None:
-                self.proposer.stage_features(s.req_id, s.start, taps[row:row + n])
+                self.proposer.stage_features(s.req_id, s.start, taps[row : row + n])
             row += n
         return out
 
@@ -51,17 +58,27 @@ class ModelRunner:
         dev = self.target.device
         slots = torch.cat([self.pool.slots(r, s, s + n) for r, s, n in spans]).to(dev)
         positions = torch.cat([torch.arange(s, s + n) for _, s, n in spans]).to(dev)
-        return AttnBatch(q_lens=[n for _, _, n in spans], kv_lens=[s + n for _, s, n in spans],
-                         block_tables=[self.pool.table(r) for r, _, _ in spans],
-                         slots=slots, positions=positions)
+        return AttnBatch(
+            q_lens=[n for _, _, n in spans],
+            kv_lens=[s + n for _, s, n in spans],
+            block_tables=[self.pool.table(r) for r, _, _ in spans],
+            slots=slots,
+            positions=positions,
+        )
 
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def _run(self, tokens: list[list[int]], spans: list[Span], capture: list[bool], score_rows: list[range],
-             topk_k: list[int]) -> tuple[list[list[int]], list[list[TopK]]]:
+    def _run(
+        self,
+        tokens: list[list[int]],
+        spans: list[Span],
+        capture: list[bool],
+        score_rows: list[range],
+        topk_k: list[int],
+    ) -> tuple[list[list[int]], list[list[TopK]]]:
         """One target forward. score_rows[i]: which of request i's rows need logits (relative indices);
         capture[i]: stage request i's tap-layer features with the proposer."""
         batch = self._batch(spans)
@@ -74,13 +91,13 @@ class ModelRunner:
         if feats is not None and self.proposer is not None:
             for i, (req_id, start, _n) in enumerate(spans):
                 if capture[i]:
-                    self.proposer.stage_features(req_id, start, feats[offsets[i]:offsets[i + 1]])
+                    self.proposer.stage_features(req_id, start, feats[offsets[i] : offsets[i + 1]])
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
         argmax, top_ids, top_lp = read_logits(self.target, hidden[rows], max(topk_k, default=0))
         out_argmax, out_topk, r = [], [], 0
         for i, rr in enumerate(score_rows):
             n, k = len(rr), topk_k[i]
-            out_argmax.append(argmax[r:r + n])
+            out_argmax.append(argmax[r : r + n])
             out_topk.append([(top_ids[j][:k], top_lp[j][:k]) for j in range(r, r + n)] if k else [])
             r += n
         return out_argmax, out_topk
@@ -90,32 +107,48 @@ class ModelRunner:
         if isinstance(plan, PrefillPlan):
             reqs = plan.requests
             spans = [(r.request_id, 0, len(r.prompt_ids)) for r in reqs]
-            score = [range(len(r.prompt_ids)) if r.params.prompt_logprobs else range(len(r.prompt_ids) - 1,
-                                                                                       len(r.prompt_ids))
-                     for r in reqs]
-            a, t = self._run([r.prompt_ids for r in reqs], spans, plan.capture, score,
-                             [r.params.logprobs for r in reqs])
+            score = [
+                range(len(r.prompt_ids))
+                if r.params.prompt_logprobs
+                else range(len(r.prompt_ids) - 1, len(r.prompt_ids))
+                for r in reqs
+            ]
+            a, t = self._run(
+                [r.prompt_ids for r in reqs], spans, plan.capture, score, [r.params.logprobs for r in reqs]
+            )
             self._sync()
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
             reqs = plan.requests
-            graphed = None if any(r.params.logprobs for r in reqs) else self._replay(
-                "decode", [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1)
-                           for r in reqs], capture=False)
+            graphed = (
+                None
+                if any(r.params.logprobs for r in reqs)
+                else self._replay(
+                    "decode",
+                    [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
+                    capture=False,
+                )
+            )
             if graphed is not None:
                 self.timings["decode_s"] += time.perf_counter() - t0
                 return StepResult(graphed)
             spans = [(r.request_id, r.committed_len, 1) for r in reqs]
-            a, t = self._run([[r.output_ids[-1]] for r in reqs], spans, [False] * len(reqs),
-                             [range(1)] * len(reqs), [r.params.logprobs for r in reqs])
+            a, t = self._run(
+                [[r.output_ids[-1]] for r in reqs],
+                spans,
+                [False] * len(reqs),
+                [range(1)] * len(reqs),
+                [r.params.logprobs for r in reqs],
+            )
             self._sync()
             self.timings["decode_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         assert isinstance(plan, VerifyPlan) and self.proposer is not None
         view = self.pool.speculative_view(plan.reservation)
-        items = [DraftItem(r.request_id, r.output_ids[-1], start, span)
-                 for r, (_, start, span) in zip(plan.requests, view)]
+        items = [
+            DraftItem(r.request_id, r.output_ids[-1], start, span) for r, (_, start, span) in zip(plan.requests, view)
+        ]
         drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
         drafts: list[list[int]] = [[] for _ in items]
         if drafting:
@@ -128,8 +161,11 @@ class ModelRunner:
         # every span 1 (adaptive chose plain decode for all): the one-row decode graph, which computes the
         # same taps, instead of a verify graph padded to B rows per request
         kind = "verify" if any(span > 1 for _, _, span in view) else "decode"
-        graphed = self._replay(kind, [StepRow(rid, start, toks, start + span)
-                                      for (rid, start, span), toks in zip(view, tokens)], capture=True)
+        graphed = self._replay(
+            kind,
+            [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
+            capture=True,
+        )
         if graphed is not None:
             a = graphed
         else:

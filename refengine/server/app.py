@@ -4,6 +4,7 @@ Every handler runs on the server's event loop and only talks to the engine throu
 in, Updates out). Errors use OpenAI's body {"error": {message, type, param, code}}: 400 for what the engine
 cannot honour or rejects (context length, KV budget, bad token ids), 500 for an internal failure (the request
 is finished and its KV freed first)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,8 +53,9 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
     import jinja2.sandbox
 
     app = FastAPI(title="refengine", docs_url=None, redoc_url=None)
-    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True
-                                                            ).from_string(chat_template)
+    template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        chat_template
+    )
     vocab = loop.engine.target.cfg.vocab_size
 
     @app.exception_handler(ApiError)
@@ -106,8 +108,9 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
             if upd.final:
                 return
 
-    async def run_one(ids: list[int], sp: SamplingParams, stops: list[str], http: Request
-                      ) -> tuple[TextState, list, str]:
+    async def run_one(
+        ids: list[int], sp: SamplingParams, stops: list[str], http: Request
+    ) -> tuple[TextState, list, str]:
         """Generate one choice to the end; returns its text state, top-k rows and finish reason."""
         stream = loop.submit(ids, sp)
         state, rows, finish = TextState(detok, stops), [], None
@@ -134,8 +137,9 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
             raise
         raise ApiError(500, "the engine loop ended the request without an update")
 
-    def stream_response(stream: Stream, first: Update, stops: list[str], http: Request, chunk,
-                        include_usage: bool) -> StreamingResponse:
+    def stream_response(
+        stream: Stream, first: Update, stops: list[str], http: Request, chunk, include_usage: bool
+    ) -> StreamingResponse:
         """SSE: `chunk(text, upd_ids, rows, finish)` builds one event body; `data: [DONE]` ends it."""
 
         async def gen() -> AsyncIterator[str]:
@@ -146,8 +150,11 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                 while upd is not None:
                     state.add(upd.token_ids)
                     n_out += len(upd.token_ids)
-                    finish = "stop" if state.stopped else (
-                        FINISH.get(upd.finish_reason, "abort") if upd.finish_reason is not None else None)
+                    finish = (
+                        "stop"
+                        if state.stopped
+                        else (FINISH.get(upd.finish_reason, "abort") if upd.finish_reason is not None else None)
+                    )
                     piece = state.take(final=finish is not None)
                     before = n_out - len(upd.token_ids)  # tokens sent in earlier chunks
                     keep = max(0, len(state.kept_ids) - before) if state.stopped else len(upd.token_ids)
@@ -181,13 +188,24 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(render_metrics(loop.snapshot, model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(
+            render_metrics(loop.snapshot, model_name), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "refengine", "max_model_len": loop.engine.max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "refengine",
+                    "max_model_len": loop.engine.max_context,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Response:
@@ -198,8 +216,14 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def head(choices: list, **extra: Any) -> dict:
-            return {"id": cid, "object": "text_completion", "created": created, "model": body.model or model_name,
-                    "choices": choices, **extra}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model or model_name,
+                "choices": choices,
+                **extra,
+            }
 
         if body.stream:
             if len(prompts) != 1:
@@ -231,9 +255,14 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                 scored = await asyncio.wrap_future(loop.call(lambda e: prompt_logprobs(e.target, ids, k)))
                 toks = [detok.token(t) for t in ids]
                 offs = [sum(len(t) for t in toks[:j]) for j in range(len(toks))]
-                plp: dict[str, list] = {"tokens": toks, "token_logprobs": [r[0] if r else None for r in scored],
-                       "top_logprobs": [{detok.token(t): v for t, v in zip(r[1][:n_lp], r[2][:n_lp])} if r else None
-                                        for r in scored], "text_offset": offs}
+                plp: dict[str, list] = {
+                    "tokens": toks,
+                    "token_logprobs": [r[0] if r else None for r in scored],
+                    "top_logprobs": [
+                        {detok.token(t): v for t, v in zip(r[1][:n_lp], r[2][:n_lp])} if r else None for r in scored
+                    ],
+                    "text_offset": offs,
+                }
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
             return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen
 
@@ -244,8 +273,9 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, http: Request) -> Response:
         check_chat(body)
-        text = template.render(messages=[{"role": m.role, "content": m.text()} for m in body.messages],
-                               add_generation_prompt=True)
+        text = template.render(
+            messages=[{"role": m.role, "content": m.text()} for m in body.messages], add_generation_prompt=True
+        )
         ids = ids_of(text)
         max_tokens = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -254,8 +284,14 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
         sp = params(max_tokens, n_lp)
 
         def head(obj: str, choices: list, **extra: Any) -> dict:
-            return {"id": cid, "object": obj, "created": created, "model": body.model or model_name,
-                    "choices": choices, **extra}
+            return {
+                "id": cid,
+                "object": obj,
+                "created": created,
+                "model": body.model or model_name,
+                "choices": choices,
+                **extra,
+            }
 
         if body.stream:
             stream = loop.submit(ids, sp)
@@ -269,16 +305,21 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                 if not started[0]:
                     delta["role"], started[0] = "assistant", True
                 lp = chat_logprobs(detok, tids, rows, n_lp) if n_lp is not None else None
-                return head("chat.completion.chunk",
-                            [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}])
+                return head(
+                    "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
+                )
 
             inc = bool(body.stream_options and body.stream_options.get("include_usage"))
             return stream_response(stream, first, stops, http, chunk, inc)
 
         state, rows, finish = await run_one(ids, sp, stops, http)
         lp = chat_logprobs(detok, state.kept_ids, rows, n_lp) if n_lp is not None else None
-        choice = {"index": 0, "message": {"role": "assistant", "content": state.text}, "logprobs": lp,
-                  "finish_reason": finish}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": state.text},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
         return JSONResponse(head("chat.completion", [choice], usage=usage(len(ids), len(state.kept_ids))))
 
     return app

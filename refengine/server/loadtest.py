@@ -4,6 +4,7 @@ tok/s as JSON (last line). Standard library only (http.client + threads), so it 
 Each client loops: POST /v1/completions with stream=true and a fixed max_tokens (ignore_eos is not an OpenAI
 field, so the count of streamed tokens is what is measured, from the final usage chunk), until --duration
 seconds have passed or --requests requests are done. Every socket has a timeout."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,15 +15,29 @@ import threading
 import time
 from urllib.parse import urlparse
 
-DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
-                   "# Parse the command line\n", "for i in range(10):", "def read_config(path):"]
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    "# Parse the command line\n",
+    "for i in range(10):",
+    "def read_config(path):",
+]
 
 
 def one_request(host: str, port: int, prompt: str, max_tokens: int, timeout: float) -> tuple[int, float, float]:
     """One streaming completion: (completion tokens, time to first chunk, total seconds)."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    body = json.dumps({"model": "refengine", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": "refengine",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     t0 = time.perf_counter()
     ttft = None
     tokens = 0
@@ -49,8 +64,15 @@ def one_request(host: str, port: int, prompt: str, max_tokens: int, timeout: flo
     return tokens, ttft or 0.0, time.perf_counter() - t0
 
 
-def run_load(url: str, concurrency: int, max_tokens: int, duration: float, max_requests: int,
-             timeout: float, prompts: list[str] | None = None) -> dict:
+def run_load(
+    url: str,
+    concurrency: int,
+    max_tokens: int,
+    duration: float,
+    max_requests: int,
+    timeout: float,
+    prompts: list[str] | None = None,
+) -> dict:
     u = urlparse(url)
     host, port = u.hostname or "127.0.0.1", u.port or 80
     prompts = prompts or DEFAULT_PROMPTS
@@ -92,10 +114,19 @@ def run_load(url: str, concurrency: int, max_tokens: int, duration: float, max_r
     def mean(xs: list[float]) -> float:
         return round(sum(xs) / len(xs), 4) if xs else 0.0
 
-    return {"url": url, "concurrency": concurrency, "max_tokens": max_tokens, "seconds": round(elapsed, 3),
-            "requests": counts["requests"], "errors": counts["errors"], "tokens": counts["tokens"],
-            "requests_per_s": round(counts["requests"] / elapsed, 3), "tok_per_s": round(counts["tokens"] / elapsed, 2),
-            "mean_ttft_s": mean(ttfts), "mean_latency_s": mean(latencies)}
+    return {
+        "url": url,
+        "concurrency": concurrency,
+        "max_tokens": max_tokens,
+        "seconds": round(elapsed, 3),
+        "requests": counts["requests"],
+        "errors": counts["errors"],
+        "tokens": counts["tokens"],
+        "requests_per_s": round(counts["requests"] / elapsed, 3),
+        "tok_per_s": round(counts["tokens"] / elapsed, 2),
+        "mean_ttft_s": mean(ttfts),
+        "mean_latency_s": mean(latencies),
+    }
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Updates on a per-request asyncio.Queue fed with loop.call_soon_threadsafe. After
 publishes each live request's new tokens and a metrics snapshot (read by /metrics without touching the
 engine). A request whose handler goes away (client disconnect, stop string hit) is aborted with
 Engine.abort: its KV blocks and drafter context are freed at once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,6 +33,7 @@ IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before 
 @dataclass
 class Update:
     """New committed tokens of one request (and their top-k rows when it asked for logprobs), or its end."""
+
     token_ids: list[int] = field(default_factory=list)
     topk: list[TopK] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -182,10 +184,10 @@ class EngineLoop:
     def _publish(self) -> None:
         for rid, live in list(self._live.items()):
             req = live.req
-            new = req.output_ids[live.sent:]
+            new = req.output_ids[live.sent :]
             if not new and not req.finished:
                 continue
-            rows = req.topk[live.sent:live.sent + len(new)] if req.params.logprobs else []
+            rows = req.topk[live.sent : live.sent + len(new)] if req.params.logprobs else []
             live.sent += len(new)
             self.tokens_generated += len(new)
             if req.finish_reason is FinishReason.ERROR:  # the engine failed the request's steps itself

@@ -1,4 +1,5 @@
 """Prometheus text exposition (format 0.0.4) of the engine loop's latest snapshot (refengine/server/loop.py)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,10 +21,15 @@ def render_metrics(s: dict[str, Any], model: str) -> str:
     metric("kv_blocks_free", "gauge", "KV cache blocks free.", [(f"{{{lab}}}", s["kv_blocks_free"])])
     metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", [(f"{{{lab}}}", s["kv_blocks_total"])])
     metric("speculative", "gauge", "1 when a DFlash drafter speculates.", [(f"{{{lab}}}", int(s["speculative"]))])
-    metric("spec_tau", "gauge", "Tokens committed per verify step, over finished requests.",
-           [(f"{{{lab}}}", round(s["tau"], 6))])
-    metric("spec_verify_steps_total", "counter", "Verify steps of finished requests.",
-           [(f"{{{lab}}}", s["verify_steps"])])
+    metric(
+        "spec_tau",
+        "gauge",
+        "Tokens committed per verify step, over finished requests.",
+        [(f"{{{lab}}}", round(s["tau"], 6))],
+    )
+    metric(
+        "spec_verify_steps_total", "counter", "Verify steps of finished requests.", [(f"{{{lab}}}", s["verify_steps"])]
+    )
     hist = s["accepted_hist"]
     buckets, cum = [], 0
     for length in sorted(hist):
@@ -35,10 +41,19 @@ def render_metrics(s: dict[str, Any], model: str) -> str:
     metric("spec_accepted_length", "histogram", "Committed length (accepted drafts + 1) per verify step.", buckets)
     t = s["timings"]
     for key in ("draft_s", "verify_s", "prefill_s", "decode_s"):
-        metric(f"{key[:-2]}_seconds_total", "counter", f"Engine time in {key[:-2]}.",
-               [(f"{{{lab}}}", round(t.get(key, 0.0), 6))])
-    metric("generation_tokens_total", "counter", "Tokens streamed to requests.",
-           [(f"{{{lab}}}", s["tokens_generated"])])
-    metric("requests_finished_total", "counter", "Finished requests by finish reason.",
-           [(f'{{{lab},reason="{r}"}}', n) for r, n in sorted(s["finished"].items())] or [(f"{{{lab}}}", 0)])
+        metric(
+            f"{key[:-2]}_seconds_total",
+            "counter",
+            f"Engine time in {key[:-2]}.",
+            [(f"{{{lab}}}", round(t.get(key, 0.0), 6))],
+        )
+    metric(
+        "generation_tokens_total", "counter", "Tokens streamed to requests.", [(f"{{{lab}}}", s["tokens_generated"])]
+    )
+    metric(
+        "requests_finished_total",
+        "counter",
+        "Finished requests by finish reason.",
+        [(f'{{{lab},reason="{r}"}}', n) for r, n in sorted(s["finished"].items())] or [(f"{{{lab}}}", 0)],
+    )
     return "\n".join(lines) + "\n"

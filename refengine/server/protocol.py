@@ -4,6 +4,7 @@ Unknown fields are accepted and ignored (extra="allow"): clients (the openai pac
 that mean nothing under greedy decoding, such as `seed` and `user`. A field whose value would change the
 output in a way the engine cannot honour (temperature > 0, n > 1, penalties, a non-empty logit_bias, ...) is
 an ApiError (HTTP 400, `invalid_request_error`) naming it."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,18 +14,26 @@ from pydantic import BaseModel, ConfigDict
 from refengine.request import MAX_LOGPROBS
 
 # Used when the tokenizer ships no chat template: ChatML, the format of Qwen3's own template without tools.
-CHATML_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
-                   "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
-                   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
-CHAT_DEFAULT_MAX_TOKENS = 256        # /v1/chat/completions without max_tokens (OpenAI: up to the context)
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
 
 
 class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending field (param)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
 
@@ -72,8 +81,9 @@ class ChatMessage(BaseModel):
         parts = []
         for p in self.content:
             if p.get("type") != "text":
-                raise ApiError(400, f"message content part of type {p.get('type')!r}: only text is supported",
-                               "messages")
+                raise ApiError(
+                    400, f"message content part of type {p.get('type')!r}: only text is supported", "messages"
+                )
             parts.append(str(p.get("text", "")))
         return "".join(parts)
 
@@ -88,8 +98,9 @@ class ChatCompletionRequest(_Common):
 def check_common(r: _Common) -> None:
     """400 naming the first field the engine cannot honour; a no-op for the defaults clients send."""
     if r.temperature not in (None, 0):
-        raise ApiError(400, f"temperature={r.temperature}: only greedy decoding (temperature 0) is supported",
-                       "temperature")
+        raise ApiError(
+            400, f"temperature={r.temperature}: only greedy decoding (temperature 0) is supported", "temperature"
+        )
     if r.top_p is not None and not 0 < r.top_p <= 1:
         raise ApiError(400, f"top_p={r.top_p} must be in (0, 1]", "top_p")
     if r.n not in (None, 1):

@@ -6,6 +6,7 @@ weights and layer functions (refengine/models/layers.py: project_qkv, mlp_residu
 of Qwen3Model) and SDPA, without touching the KV pool, then reads the exact logprob of each prompt token and
 the top-k of its position in fp32. Prompt scoring involves no speculation, so it is the same with the drafter
 on or off. Runs on the engine loop thread."""
+
 from __future__ import annotations
 
 import torch
@@ -28,15 +29,16 @@ def prompt_logprobs(target: Qwen3Model, token_ids: list[int], k: int) -> list[Ro
     h = target.embed_tokens[ids]
     for w in target.layers:
         q, kk, v = project_qkv(w, rms_norm(h, w.input_norm, cfg.rms_norm_eps), cfg, target.rope, pos)
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1),
-                                              is_causal=True, enable_gqa=True).transpose(0, 1)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+        ).transpose(0, 1)
         h = h + F.linear(attn.reshape(h.shape[0], -1), w.o_proj)
         h = mlp_residual(w, h, cfg.rms_norm_eps)
     hidden = rms_norm(h, target.final_norm, cfg.rms_norm_eps)[:-1]
     out: list[Row | None] = [None]
     for lo in range(0, hidden.shape[0], 1024):  # bounded [rows, vocab] transient
-        lp = target.logits(hidden[lo:lo + 1024], fp32=True).log_softmax(-1)
-        nxt = ids[lo + 1:lo + 1 + lp.shape[0]]
+        lp = target.logits(hidden[lo : lo + 1024], fp32=True).log_softmax(-1)
+        nxt = ids[lo + 1 : lo + 1 + lp.shape[0]]
         actual = lp.gather(1, nxt[:, None])[:, 0].tolist()
         top = lp.topk(max(k, 1), dim=-1)
         for a, ti, tv in zip(actual, top.indices.tolist(), top.values.tolist()):

@@ -1,5 +1,6 @@
 """`refengine serve`: build the engine, the engine loop and the app, and run uvicorn (in the foreground, or
 in a background thread for tests via BackgroundServer)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ if TYPE_CHECKING:  # the server modules import pydantic/fastapi: only loaded whe
 def chat_template_of(target: Path) -> str:
     """The tokenizer's chat template (tokenizer_config.json `chat_template`), else ChatML (CHATML_TEMPLATE)."""
     from refengine.server.protocol import CHATML_TEMPLATE
+
     cfg = target / "tokenizer_config.json"
     if cfg.is_file():
         t = json.loads(cfg.read_text()).get("chat_template")
@@ -29,9 +31,11 @@ def chat_template_of(target: Path) -> str:
 
 def detok_of(target: Path) -> Detok:
     from refengine.server.text import Detok
+
     if not (target / "tokenizer.json").is_file():
         return Detok(None)
     from tokenizers import Tokenizer
+
     return Detok(Tokenizer.from_file(str(target / "tokenizer.json")))
 
 
@@ -43,6 +47,7 @@ def make_app(engine: Engine, model_name: str | None = None) -> tuple[Any, Engine
     """The FastAPI app and its (started) engine loop for an engine."""
     from refengine.server.app import create_app
     from refengine.server.loop import EngineLoop
+
     target = Path(engine.config.target_path)
     loop = EngineLoop(engine)
     loop.start()
@@ -59,13 +64,21 @@ class BackgroundServer:
     """uvicorn.Server in a daemon thread on host:port (a free loopback port by default); stop() tears down
     both the HTTP server and the engine loop."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int | None = None,
-                 model_name: str | None = None, start_timeout: float = 30.0):
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        model_name: str | None = None,
+        start_timeout: float = 30.0,
+    ):
         import uvicorn
+
         self.app, self.loop = make_app(engine, model_name)
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        )
         self.thread = threading.Thread(target=self.server.run, name="refengine-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout
@@ -109,8 +122,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         kw["max_num_seqs"] = args.max_num_seqs
     engine = Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, **kw))
     app, loop = make_app(engine, args.served_model_name)
-    print(f"refengine serve: {target} (drafter {draft or 'off'}) on {device}, http://{args.host}:{args.port}/v1",
-          flush=True)
+    print(
+        f"refengine serve: {target} (drafter {draft or 'off'}) on {device}, http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -121,8 +136,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     s.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")
-    s.add_argument("--dflash-draft-model-path", "--draft", type=Path, dest="dflash_draft_model_path",
-                   help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)")
+    s.add_argument(
+        "--dflash-draft-model-path",
+        "--draft",
+        type=Path,
+        dest="dflash_draft_model_path",
+        help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)",
+    )
     s.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -1,4 +1,5 @@
 """Token ids -> text for the HTTP layer: incremental detokenization, stop strings, OpenAI logprob shapes."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -48,7 +49,7 @@ class TextState:
         text = self.detok.decode(self.ids)
         cut = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
         if cut:
-            text = text[:min(cut)]
+            text = text[: min(cut)]
             self.stopped = True
             n = 0
             while n < len(self.ids) and len(self.detok.decode(self.ids[:n])) < len(text):
@@ -64,16 +65,15 @@ class TextState:
                 end -= 1
         if end <= self.sent:
             return ""
-        piece, self.sent = self.text[self.sent:end], end
+        piece, self.sent = self.text[self.sent : end], end
         return piece
 
     @property
     def kept_ids(self) -> list[int]:
-        return self.ids[:self.stop_at_token] if self.stopped else self.ids
+        return self.ids[: self.stop_at_token] if self.stopped else self.ids
 
 
-def completion_logprobs(detok: Detok, ids: list[int], rows: list[TopK], n: int, offset0: int = 0
-                        ) -> dict[str, list]:
+def completion_logprobs(detok: Detok, ids: list[int], rows: list[TopK], n: int, offset0: int = 0) -> dict[str, list]:
     """OpenAI completions `logprobs` for generated tokens: rows[i] is the top-k at the position of ids[i]."""
     tokens, lps, tops, offs = [], [], [], []
     off = offset0
@@ -93,7 +93,9 @@ def chat_logprobs(detok: Detok, ids: list[int], rows: list[TopK], n: int) -> dic
     for tid, (top_ids, top_lp) in zip(ids, rows):
         s = detok.token(tid)
         lp = top_lp[top_ids.index(tid)] if tid in top_ids else top_lp[0]
-        top = [{"token": detok.token(t), "logprob": v, "bytes": list(detok.token(t).encode())}
-               for t, v in zip(top_ids[:n], top_lp[:n])]
+        top = [
+            {"token": detok.token(t), "logprob": v, "bytes": list(detok.token(t).encode())}
+            for t, v in zip(top_ids[:n], top_lp[:n])
+        ]
         content.append({"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": top})
     return {"content": content}

@@ -1,4 +1,5 @@
 """Greedy acceptance as pure functions (no torch): what a verify step commits, per request."""
+
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
@@ -20,7 +21,7 @@ def accept_greedy(drafts: Sequence[int], target_argmax: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    accepted: int              # m: drafts accepted
+    accepted: int  # m: drafts accepted
     new_tokens: tuple[int, ...]  # tokens to append: d_1..d_m + bonus, truncated after an EOS
     hit_eos: bool
 
@@ -30,9 +31,13 @@ class VerifyResult:
         return len(self.new_tokens)
 
 
-def build_verify_results(drafts: Sequence[Sequence[int]], target_argmax: Sequence[Sequence[int]],
-                         eos_ids: Collection[int], ignore_eos: Sequence[bool],
-                         accepted: Sequence[int] | None = None) -> list[VerifyResult]:
+def build_verify_results(
+    drafts: Sequence[Sequence[int]],
+    target_argmax: Sequence[Sequence[int]],
+    eos_ids: Collection[int],
+    ignore_eos: Sequence[bool],
+    accepted: Sequence[int] | None = None,
+) -> list[VerifyResult]:
     """One VerifyResult per request. EOS inside the committed run truncates right after it.
 
     `accepted` (benchmark acceptance profiles only, refengine.spec_decode.acceptance_profile) replaces
@@ -49,7 +54,7 @@ def build_verify_results(drafts: Sequence[Sequence[int]], target_argmax: Sequenc
         if not ign:
             for j, tok in enumerate(run):
                 if tok in eos_ids:
-                    run, hit = run[:j + 1], True
+                    run, hit = run[: j + 1], True
                     break
         out.append(VerifyResult(accepted=m, new_tokens=tuple(run), hit_eos=hit))
     return out

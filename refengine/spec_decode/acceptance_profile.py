@@ -18,6 +18,7 @@ Profiles (`parse_profile(name)`):
 The three named histograms give only published means; their shape over m = 0..15 is ASSUMED truncated
 geometric with that mean at block 16 (the published figures carry no histogram).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,10 @@ BLOCK = 16  # the histograms are defined over m = 0..BLOCK-1 (the real drafter's
 @dataclass(frozen=True)
 class AcceptanceProfile:
     """A distribution of m (accepted drafts per step) at the full span; draw() truncates it to a span."""
+
     name: str
     description: str
-    probs: tuple[float, ...]     # P(m = k) for k = 0..BLOCK-1 at a full span
+    probs: tuple[float, ...]  # P(m = k) for k = 0..BLOCK-1 at a full span
 
     @property
     def mean_accepted(self) -> float:
@@ -59,7 +61,7 @@ class AcceptanceProfile:
 
 def _truncated_geometric(p: float, n: int = BLOCK) -> tuple[float, ...]:
     """P(m=k) = p^k (1-p) for k < n-1, the rest of the mass at n-1 (every draft accepted)."""
-    probs = [p ** k * (1 - p) for k in range(n - 1)]
+    probs = [p**k * (1 - p) for k in range(n - 1)]
     return tuple(probs + [max(0.0, 1.0 - sum(probs))])
 
 
@@ -89,14 +91,17 @@ def fixed_tau(tau: float) -> AcceptanceProfile:
 def geometric(p: float) -> AcceptanceProfile:
     if not 0.0 <= p < 1.0:
         raise UnsupportedConfigError(f"acceptance profile geom{p}: p must be in [0, 1)")
-    return AcceptanceProfile(f"geom{p:g}", f"per-position acceptance {p:g} until the first rejection",
-                             _truncated_geometric(p))
+    return AcceptanceProfile(
+        f"geom{p:g}", f"per-position acceptance {p:g} until the first rejection", _truncated_geometric(p)
+    )
 
 
 def _published(name: str, mean_accepted: float, source: str) -> Callable[[], AcceptanceProfile]:
     def make() -> AcceptanceProfile:
-        return AcceptanceProfile(name, f"{source}; shape assumed truncated geometric",
-                                 _geometric_with_mean(mean_accepted))
+        return AcceptanceProfile(
+            name, f"{source}; shape assumed truncated geometric", _geometric_with_mean(mean_accepted)
+        )
+
     return make
 
 
@@ -119,14 +124,17 @@ def parse_profile(name: str) -> AcceptanceProfile:
         pass
     if key in REGISTRY:
         return REGISTRY[key]()
-    raise UnsupportedConfigError(f"unknown acceptance profile {name!r}: use tau<T> (e.g. tau6.5), geom<p> "
-                                 f"(e.g. geom0.8) or one of {sorted(REGISTRY)}")
+    raise UnsupportedConfigError(
+        f"unknown acceptance profile {name!r}: use tau<T> (e.g. tau6.5), geom<p> "
+        f"(e.g. geom0.8) or one of {sorted(REGISTRY)}"
+    )
 
 
 @dataclass
 class AcceptanceOverride:
     """What `refengine bench` hands the engine: draws m per request per verify step, seeded per request
     (request id + seed), so the same bench command reproduces the same acceptance sequence."""
+
     profile: AcceptanceProfile
     seed: int = 0
     _rngs: dict[int, random.Random] = field(default_factory=dict)

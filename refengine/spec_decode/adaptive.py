@@ -21,6 +21,7 @@ Model (all online, with priors):
   curve and the acceptance estimates stay measured; the interval doubles (16 .. 128) while the choice is
   confirmed and drops back to 16 when it flips. A request with no acceptance evidence drafts a full block once.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -61,18 +62,23 @@ class _Rls:
 class CostModel:
     """V(N, R), D(M), P(N), fitted in milliseconds (RLS assumes unit noise: ~1 ms), read in seconds. Priors:
     a memory-bound step (the fixed cost dominates), drafts cheaper."""
+
     verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
     draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
     plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
 
     @classmethod
-    def linear(cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None,
-               p1: float | None = None) -> CostModel:
+    def linear(
+        cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None, p1: float | None = None
+    ) -> CostModel:
         """A fixed model (tests, calibration results); plain decode defaults to V(N, N)."""
         m = cls()
         p0, p1 = v0 if p0 is None else p0, v1 + v2 if p1 is None else p1
-        m.verify.theta, m.draft.theta, m.plain.theta = [v0 * 1e3, v1 * 1e3, v2 * 1e3], [d0 * 1e3, d1 * 1e3], [
-            p0 * 1e3, p1 * 1e3]
+        m.verify.theta, m.draft.theta, m.plain.theta = (
+            [v0 * 1e3, v1 * 1e3, v2 * 1e3],
+            [d0 * 1e3, d1 * 1e3],
+            [p0 * 1e3, p1 * 1e3],
+        )
         return m
 
     def plain_s(self, n: int) -> float:
@@ -95,15 +101,15 @@ class CostModel:
 
 def expected_tokens(alpha: float, span: int) -> float:
     """E[committed] for a span under geometric acceptance alpha: 1 + alpha + ... + alpha^(span-1)."""
-    return float(span) if alpha >= 1.0 else (1.0 - alpha ** span) / (1.0 - alpha)
+    return float(span) if alpha >= 1.0 else (1.0 - alpha**span) / (1.0 - alpha)
 
 
 @dataclass(frozen=True)
 class Decision:
     spans: list[int]
     predicted_tok_per_s: float
-    plain_tok_per_s: float       # the same step as plain decode (every span 1)
-    cap: int                     # the S of the winning candidate (1 = plain)
+    plain_tok_per_s: float  # the same step as plain decode (every span 1)
+    cap: int  # the S of the winning candidate (1 = plain)
 
 
 def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: CostModel) -> Decision:
@@ -133,7 +139,7 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
         gains = [cum[i][s] - 1.0 for i, s in zip(order, spans)]
         gain, extra = sum(gains), sum(spans) - n
         drafted = sum(1 for s in spans if s > 1)
-        for k in range(n):            # the k lowest-acceptance requests at span 1
+        for k in range(n):  # the k lowest-acceptance requests at span 1
             if k:
                 gain -= gains[k - 1]
                 extra -= spans[k - 1] - 1
@@ -155,15 +161,16 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
 @dataclass
 class AdaptivePolicy:
     """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics."""
+
     block_size: int
     cost: CostModel = field(default_factory=CostModel)
-    counts: dict[int, tuple[float, float]] = field(default_factory=dict)   # req -> (accepted, rejected)
+    counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # req -> (accepted, rejected)
     interval: int = MIN_EXPLORE
     steps: int = 0
     explored: int = 0
-    caps: Counter = field(default_factory=Counter)     # winning S per decision (1 = plain)
+    caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
-    _explored_kind: bool | None = None   # at the last exploration, was speculating the choice?
+    _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
     last_mean_alpha: float | None = None
     _decisions_before: int = 0
 
@@ -218,15 +225,27 @@ class AdaptivePolicy:
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
         v, d, p = ([t * 1e-3 for t in m.theta] for m in (self.cost.verify, self.cost.draft, self.cost.plain))
-        return {"decisions": self.steps - self._decisions_before, "explored": self.explored,
-                "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
-                "verify_ms_model": {"per_step": round(v[0] * 1e3, 4), "per_request": round(v[1] * 1e3, 5),
-                                    "per_row": round(v[2] * 1e3, 5), "fits": self.cost.verify.updates},
-                "draft_ms_model": {"per_step": round(d[0] * 1e3, 4), "per_request": round(d[1] * 1e3, 5),
-                                   "fits": self.cost.draft.updates},
-                "plain_ms_model": {"per_step": round(p[0] * 1e3, 4), "per_request": round(p[1] * 1e3, 5),
-                                   "fits": self.cost.plain.updates},
-                "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
-                "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
-                "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None
-                else None}
+        return {
+            "decisions": self.steps - self._decisions_before,
+            "explored": self.explored,
+            "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
+            "verify_ms_model": {
+                "per_step": round(v[0] * 1e3, 4),
+                "per_request": round(v[1] * 1e3, 5),
+                "per_row": round(v[2] * 1e3, 5),
+                "fits": self.cost.verify.updates,
+            },
+            "draft_ms_model": {
+                "per_step": round(d[0] * 1e3, 4),
+                "per_request": round(d[1] * 1e3, 5),
+                "fits": self.cost.draft.updates,
+            },
+            "plain_ms_model": {
+                "per_step": round(p[0] * 1e3, 4),
+                "per_request": round(p[1] * 1e3, 5),
+                "fits": self.cost.plain.updates,
+            },
+            "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
+            "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
+            "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None else None,
+        }

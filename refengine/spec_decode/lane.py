@@ -8,6 +8,7 @@ plus B scratch rows where the block's own K/V are written each draft), so a draf
 Invariant after every commit (checked before every draft): drafter context rows == committed target KV
 length == position of the current token. Violations raise AlignmentError at once (no silent clamping).
 """
+
 from __future__ import annotations
 
 import time
@@ -29,8 +30,8 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 
 @dataclass
 class DraftContext:
-    capacity: int                  # context rows it can hold (prompt + max_tokens); pages for + B more
-    length: int = 0                # context rows whose K/V are in the pool
+    capacity: int  # context rows it can hold (prompt + max_tokens); pages for + B more
+    length: int = 0  # context rows whose K/V are in the pool
     pending: list[torch.Tensor] = field(default_factory=list)  # target features [rows, F*H], not yet projected
     pending_rows: int = 0
 
@@ -48,21 +49,32 @@ class DFlashLane:
         self._sync_wait_s = 0.0
 
     @classmethod
-    def create(cls, drafter: DFlashDrafter, *, context_blocks: int, max_requests: int, page_size: int,
-               backend: str) -> DFlashLane:
+    def create(
+        cls, drafter: DFlashDrafter, *, context_blocks: int, max_requests: int, page_size: int, backend: str
+    ) -> DFlashLane:
         """A lane whose pool holds `context_blocks` pages of context (the target pool's size: a request's
         context never outgrows its KV) plus B scratch rows for each of `max_requests` live requests."""
         m = drafter.mcfg
         blocks = context_blocks + max_requests * blocks_for(drafter.cfg.block_size, page_size)
-        pool = KvPool(m.num_layers, blocks, page_size, m.num_kv_heads, m.head_dim, drafter.fc.dtype,
-                      drafter.fc.device, dummy_blocks=blocks_for(drafter.cfg.block_size, page_size))
+        pool = KvPool(
+            m.num_layers,
+            blocks,
+            page_size,
+            m.num_kv_heads,
+            m.head_dim,
+            drafter.fc.dtype,
+            drafter.fc.device,
+            dummy_blocks=blocks_for(drafter.cfg.block_size, page_size),
+        )
         return cls(drafter, pool, make_backend(backend, pool, m.num_heads, m.num_kv_heads, m.head_dim))
 
     def start_request(self, req_id: int, capacity: int) -> None:
         rows = capacity + self.block_size
         if not self.pool.can_admit(rows):
-            raise AlignmentError(f"request {req_id}: the drafter pool cannot hold {rows} rows "
-                                 f"({self.pool.allocator.num_free} pages free): it is sized below the target's")
+            raise AlignmentError(
+                f"request {req_id}: the drafter pool cannot hold {rows} rows "
+                f"({self.pool.allocator.num_free} pages free): it is sized below the target's"
+            )
         self.pool.admit(req_id, rows)
         self.pool.extend(req_id, rows)  # every page up front: a draft never allocates
         self._ctx[req_id] = DraftContext(capacity=capacity)
@@ -102,8 +114,10 @@ class DFlashLane:
             raise AlignmentError(f"request {req_id}: {rows} context rows committed but no features were staged")
         start, feats = staged
         if start != first_position or not 0 < rows <= feats.shape[0]:
-            raise AlignmentError(f"request {req_id}: commit of rows [{first_position}, {first_position + rows}) "
-                                 f"but the staged features cover [{start}, {start + feats.shape[0]})")
+            raise AlignmentError(
+                f"request {req_id}: commit of rows [{first_position}, {first_position + rows}) "
+                f"but the staged features cover [{start}, {start + feats.shape[0]})"
+            )
         self.append_pending_context(req_id, feats[:rows], first_position)
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
@@ -123,14 +137,18 @@ class DFlashLane:
         if c is None:
             raise AlignmentError(f"request {req_id}: no drafter context (start_request was not called)")
         if feats.dim() != 2 or feats.shape[1] != self.drafter.feature_width:
-            raise AlignmentError(f"request {req_id}: feature shape {list(feats.shape)}, "
-                                 f"expected [rows, {self.drafter.feature_width}]")
+            raise AlignmentError(
+                f"request {req_id}: feature shape {list(feats.shape)}, expected [rows, {self.drafter.feature_width}]"
+            )
         if first_position != c.length + c.pending_rows:
-            raise AlignmentError(f"request {req_id}: features start at position {first_position}, "
-                                 f"but the drafter context ends at {c.length + c.pending_rows}")
+            raise AlignmentError(
+                f"request {req_id}: features start at position {first_position}, "
+                f"but the drafter context ends at {c.length + c.pending_rows}"
+            )
         if first_position + feats.shape[0] > c.capacity:
-            raise AlignmentError(f"request {req_id}: context overflow, {first_position + feats.shape[0]} rows "
-                                 f"> capacity {c.capacity}")
+            raise AlignmentError(
+                f"request {req_id}: context overflow, {first_position + feats.shape[0]} rows > capacity {c.capacity}"
+            )
         c.pending.append(feats)
         c.pending_rows += feats.shape[0]
 
@@ -146,7 +164,7 @@ class DFlashLane:
             pos = c.length
             for f in c.pending:
                 for lo in range(0, f.shape[0], FLUSH_ROWS):
-                    part = f[lo:lo + FLUSH_ROWS]
+                    part = f[lo : lo + FLUSH_ROWS]
                     if rows + part.shape[0] > FLUSH_ROWS:
                         self._project(chunk)
                         chunk, rows = [], 0
@@ -173,8 +191,9 @@ class DFlashLane:
         self._flush_pending([it.req_id for it in items])
         for r, _tok, start, span in items:
             if self._ctx[r].length != start:
-                raise AlignmentError(f"request {r}: drafter context has {self._ctx[r].length} rows, "
-                                     f"current token is at position {start}")
+                raise AlignmentError(
+                    f"request {r}: drafter context has {self._ctx[r].length} rows, current token is at position {start}"
+                )
             if not 1 <= span <= self.block_size:
                 raise AlignmentError(f"request {r}: span {span} outside 1..{self.block_size}")
 
@@ -196,11 +215,11 @@ class DFlashLane:
             self._prepare(items)
             g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
             t = time.perf_counter()
-            drafts = g.buffers.argmax.view(-1, b - 1)[:len(items)].tolist()
+            drafts = g.buffers.argmax.view(-1, b - 1)[: len(items)].tolist()
             self._sync_wait_s += time.perf_counter() - t
         else:
             drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
-        return [d[:span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+        return [d[: span - 1] for d, (_, _, _, span) in zip(drafts, items)]
 
     def take_sync_wait(self) -> float:
         """Seconds spent waiting for draft-graph results since the last call (the runner's host-time split)."""
@@ -228,9 +247,9 @@ class DFlashLane:
             if rows is None:
                 continue
             n, first = rows.shape[0], it.start - rows.shape[0]
-            ctx.feats[i * b:i * b + n].copy_(rows)
-            pos[i * b:i * b + n] = range(first, it.start)
-            slots[i * b:i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
+            ctx.feats[i * b : i * b + n].copy_(rows)
+            pos[i * b : i * b + n] = range(first, it.start)
+            slots[i * b : i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
         ctx.positions.copy_(torch.tensor(pos), non_blocking=True)
         ctx.slots.copy_(torch.tensor(slots), non_blocking=True)
 
@@ -240,9 +259,12 @@ class DFlashLane:
         self._prepare(items)
         b, dev = self.block_size, self.drafter.fc.device
         tokens = torch.tensor([self._block(it) for it in items], device=dev).view(-1)
-        batch = AttnBatch(q_lens=[b] * len(items), kv_lens=[it.start + b for it in items],
-                          block_tables=[self.pool.table(it.req_id) for it in items],
-                          slots=torch.cat([self.pool.slots(it.req_id, it.start, it.start + b) for it in items]).to(dev),
-                          positions=torch.cat([torch.arange(it.start, it.start + b) for it in items]).to(dev),
-                          causal=False)
+        batch = AttnBatch(
+            q_lens=[b] * len(items),
+            kv_lens=[it.start + b for it in items],
+            block_tables=[self.pool.table(it.req_id) for it in items],
+            slots=torch.cat([self.pool.slots(it.req_id, it.start, it.start + b) for it in items]).to(dev),
+            positions=torch.cat([torch.arange(it.start, it.start + b) for it in items]).to(dev),
+            causal=False,
+        )
         return self.drafter.draft_logits(tokens, batch, self.pool, self.attention, fp32=fp32)

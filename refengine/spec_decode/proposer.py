@@ -7,6 +7,7 @@ the scheduler, once it knows how many of those rows are committed, makes them dr
 committed (rejected drafts, a failed step) are dropped. The DFlash lane and the test proposers
 (tests/proposers.py) implement it; there is no base class until a second real draft method exists.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
@@ -17,6 +18,7 @@ import torch
 class DraftItem(NamedTuple):
     """One request's draft: the current token at absolute position `start`, and a verify span of `span`
     tokens ([current, d_1 .. d_{span-1}]), so span - 1 drafts are wanted."""
+
     req_id: int
     current_token: int
     start: int
@@ -24,8 +26,8 @@ class DraftItem(NamedTuple):
 
 
 class Proposer(Protocol):
-    block_size: int                       # B: the widest verify span
-    capture_layers: tuple[int, ...]       # target layers whose outputs the proposer reads
+    block_size: int  # B: the widest verify span
+    capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads
 
     def start_request(self, req_id: int, capacity: int) -> None:
         """A speculating request was admitted; its context will hold at most `capacity` rows."""

@@ -10,6 +10,7 @@ propose hands each request its neighbour's drafts (lossless, invisible at bs=1, 
 
 Run: pytest tests/golden/test_acceptance_engine.py          (the full bs=1 sweep over all 55: -m slow)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -48,8 +49,11 @@ def _run(pair, goldens, budgets=None, stagger_after=None, breakage=None, **engin
     if breakage is not None:
         breakage(engine)
     recorder = FeatureRecorder(engine)
-    reqs = run_requests(engine, [(g.prompt_ids, SamplingParams(max_tokens=b)) for g, b in zip(goldens, budgets)],
-                        stagger_after=stagger_after)
+    reqs = run_requests(
+        engine,
+        [(g.prompt_ids, SamplingParams(max_tokens=b)) for g, b in zip(goldens, budgets)],
+        stagger_after=stagger_after,
+    )
     records = [acceptance_record(g.name, r) for g, r in zip(goldens, reqs)]
     assert_no_leftovers(engine, "acceptance run")
     verify_batches = [n for _, _, _, kind, n in recorder.calls if kind == "VerifyPlan"]
@@ -89,8 +93,10 @@ def test_acceptance_concurrent_heterogeneous_staggered(trained_pair):
 
 def _lossless_but_acceptance_fails(pair, goldens, breakage, **engine_kw):
     records, _ = _run(pair, goldens, breakage=breakage, **engine_kw)
-    lossless = greedy_gate([GreedyRecord(r.name, r.prompt_ids, r.output_ids) for r in records],
-                           [GreedyRecord(g.name, g.prompt_ids, g.output_ids) for g in goldens])
+    lossless = greedy_gate(
+        [GreedyRecord(r.name, r.prompt_ids, r.output_ids) for r in records],
+        [GreedyRecord(g.name, g.prompt_ids, g.output_ids) for g in goldens],
+    )
     print(lossless)
     lossless.assert_passes()  # the bug is invisible to every lossless check ...
     report = acceptance_gate(records, goldens)
@@ -122,8 +128,10 @@ def test_batch_invariance_gate_on_the_engine(trained_pair):
     broken_alone, _ = _run(trained_pair, goldens, max_num_seqs=1, breakage=break_rotate_batched_drafts)
     assert acceptance_gate(broken_alone, goldens).passed, "at bs=1 there is no neighbour: the bug is invisible"
     broken, _ = _run(trained_pair, goldens, breakage=break_rotate_batched_drafts)
-    assert greedy_gate([GreedyRecord(r.name, r.prompt_ids, r.output_ids) for r in broken],
-                       [GreedyRecord(g.name, g.prompt_ids, g.output_ids) for g in goldens]).passed
+    assert greedy_gate(
+        [GreedyRecord(r.name, r.prompt_ids, r.output_ids) for r in broken],
+        [GreedyRecord(g.name, g.prompt_ids, g.output_ids) for g in goldens],
+    ).passed
     bad = acceptance_batch_invariance_gate(broken_alone, broken, min_fraction=0.9)
     print(bad)
     assert not bad.passed and bad.ratio < 0.8, str(bad)

@@ -9,6 +9,7 @@ agree with the greedy goldens and their manifest, and regen --check's comparison
 
 Run: pytest tests/golden/test_acceptance_gate.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -156,8 +157,9 @@ def test_stored_acceptance_goldens_are_consistent():
     assert section["draft_margin_tol"] == DRAFT_MARGIN_TOL
     deciding = [m for a in acc for m in deciding_margins(a)]
     assert section["deciding_margins_below_tol"] == sum(m <= DRAFT_MARGIN_TOL for m in deciding)
-    print(f"{len(acc)} records, {section['steps']} steps, tau {section['tau']}, min deciding margin "
-        f"{min(deciding):.6f}")
+    print(
+        f"{len(acc)} records, {section['steps']} steps, tau {section['tau']}, min deciding margin {min(deciding):.6f}"
+    )
 
 
 def test_regen_check_flags_changed_acceptance():

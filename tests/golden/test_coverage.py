@@ -6,6 +6,7 @@ name the golden lacks, different input ids, and (hf_gate) top-k rows narrower th
 
 Run: pytest tests/golden/test_coverage.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,11 @@ def acceptance(name: str, ids=(1, 2, 3)) -> AcceptanceRecord:
     return AcceptanceRecord(name, list(ids), [7, 8, 9], [2])
 
 
-GATES = {"hf_gate": (topk, lambda e, g, **kw: hf_gate(e, g, FP32, **kw), "token_ids"),
-         "greedy_gate": (greedy, greedy_gate, "prompt_ids"),
-         "acceptance_gate": (acceptance, acceptance_gate, "prompt_ids")}
+GATES = {
+    "hf_gate": (topk, lambda e, g, **kw: hf_gate(e, g, FP32, **kw), "token_ids"),
+    "greedy_gate": (greedy, greedy_gate, "prompt_ids"),
+    "acceptance_gate": (acceptance, acceptance_gate, "prompt_ids"),
+}
 
 
 @pytest.fixture(params=sorted(GATES))
@@ -50,13 +53,21 @@ def test_full_coverage_passes(gate):
     assert report.passed and report.coverage.gated == 3 and not report.coverage.subset
 
 
-@pytest.mark.parametrize("case,engine_names,golden_names,message", [
-    ("empty", [], ["a", "b"], "no engine records: nothing was gated against the 2"),
-    ("partial", ["a"], ["a", "b", "c"], "partial coverage: engine wrote 1 of the 3 .* records; missing 2: 'b', 'c'"),
-    ("engine duplicate", ["a", "a", "b"], ["a", "b"], "engine records hold these names more than once: 'a'"),
-    ("golden duplicate", ["a"], ["a", "a"], "records hold these names more than once: 'a'"),
-    ("unknown name", ["a", "b", "zz"], ["a", "b"], "engine records with no .* record: 'zz'"),
-])
+@pytest.mark.parametrize(
+    "case,engine_names,golden_names,message",
+    [
+        ("empty", [], ["a", "b"], "no engine records: nothing was gated against the 2"),
+        (
+            "partial",
+            ["a"],
+            ["a", "b", "c"],
+            "partial coverage: engine wrote 1 of the 3 .* records; missing 2: 'b', 'c'",
+        ),
+        ("engine duplicate", ["a", "a", "b"], ["a", "b"], "engine records hold these names more than once: 'a'"),
+        ("golden duplicate", ["a"], ["a", "a"], "records hold these names more than once: 'a'"),
+        ("unknown name", ["a", "b", "zz"], ["a", "b"], "engine records with no .* record: 'zz'"),
+    ],
+)
 def test_coverage_errors(gate, case, engine_names, golden_names, message):
     make, run, _ = gate
     with pytest.raises(CoverageError, match=message):
@@ -65,8 +76,11 @@ def test_coverage_errors(gate, case, engine_names, golden_names, message):
 
 def test_different_input_ids(gate):
     make, run, label = gate
-    with pytest.raises(CoverageError, match=f"b: engine and .* records hold different {label} "
-                                            r"\(first difference at 1, lengths 3 vs 3\)"):
+    with pytest.raises(
+        CoverageError,
+        match=f"b: engine and .* records hold different {label} "
+        r"\(first difference at 1, lengths 3 vs 3\)",
+    ):
         run([make("a"), make("b", ids=(1, 5, 3))], [make("a"), make("b")])
 
 
@@ -95,8 +109,9 @@ def test_stored_goldens_regression():
     hf = load_golden("tiny-trained").topk
     with pytest.raises(CoverageError, match="no engine records: nothing was gated against the 55 HF records"):
         hf_gate([], hf)
-    one = dataclasses.replace(hf[0], topk_ids=[r[:8] for r in hf[0].topk_ids],
-                              topk_logprobs=[r[:8] for r in hf[0].topk_logprobs])
+    one = dataclasses.replace(
+        hf[0], topk_ids=[r[:8] for r in hf[0].topk_ids], topk_logprobs=[r[:8] for r in hf[0].topk_logprobs]
+    )
     with pytest.raises(CoverageError, match="partial coverage: engine wrote 1 of the 55 HF records; missing 54"):
         hf_gate([one], hf)
     assert hf_gate([one], hf, FP32, names=[one.name]).passed  # said explicitly, a subset is fine

@@ -9,6 +9,7 @@ Pairs: every model pair plus tiny-random-gqa2, whose target has 2 KV heads and w
 
 Run: pytest tests/golden/test_drafter_vs_oracle.py
 """
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,7 @@ def _compare(pair, seed, monkeypatch, breakage=None) -> list[str]:
         for r, n in enumerate(lengths):
             upto = n if round_ == 2 else min(n, done[r] + rng.randrange(0, n + 1))
             if upto > done[r]:
-                lane.append_pending_context(r, feats[r][done[r]:upto], done[r])
+                lane.append_pending_context(r, feats[r][done[r] : upto], done[r])
                 done[r] = upto
         ready = [r for r in range(n_req) if done[r] > 0]
         if not ready:
@@ -57,13 +58,14 @@ def _compare(pair, seed, monkeypatch, breakage=None) -> list[str]:
         items = [DraftItem(r, current[r], done[r], b) for r in ready]
         got = lane.propose_logits(items)  # [N, B-1, V]
         for i, r in enumerate(ready):
-            want = oracle.draft_logits(feats[r][:done[r]], current[r], done[r])
+            want = oracle.draft_logits(feats[r][: done[r]], current[r], done[r])
             delta = (got[i] - want).abs()
             if delta.max().item() >= LOGIT_ATOL or got[i].argmax(-1).tolist() != want.argmax(-1).tolist():
                 problems.append(
                     f"request {r} (context {done[r]}, batch {len(ready)}): max |delta| {delta.max().item():.3e}, "
                     f"mean {delta.mean().item():.3e}, first row over tol "
-                    f"{int((delta.amax(-1) >= LOGIT_ATOL).nonzero()[0]) if delta.max() >= LOGIT_ATOL else None}")
+                    f"{int((delta.amax(-1) >= LOGIT_ATOL).nonzero()[0]) if delta.max() >= LOGIT_ATOL else None}"
+                )
     return problems
 
 
@@ -75,6 +77,7 @@ def test_batched_drafter_matches_dense_oracle(differential_pair, seed, monkeypat
 
 def test_gqa_pair_covers_the_blind_spots():
     from conftest import gqa_pair
+
     pair = gqa_pair()
     assert pair is not None, "fixtures/tiny-random-gqa2 is missing (python -m fixtures.build.random_pair ...)"
     target = json.loads((pair.target / "config.json").read_text())

@@ -8,6 +8,7 @@ refengine (refengine made unimportable in a subprocess), the gates and the CLI w
 
 Run: pytest tests/golden/test_gate_cli.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,9 @@ DATA = ROOT / "golden" / "data"
 
 def golden_cli(tmp_path: Path, *args: str) -> tuple[int, str, dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "golden", *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "golden", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     lines = proc.stdout.strip().splitlines()
     assert lines, f"no output; stderr:\n{proc.stderr[-2000:]}"
     return proc.returncode, proc.stdout, json.loads(lines[-1])
@@ -51,8 +53,9 @@ def hf_topk(random_golden):
 
 def test_topk_hf_records_pass_and_a_perturbed_copy_fails(tmp_path, random_golden, hf_topk):
     write_jsonl(tmp_path / "hf.jsonl", hf_topk)
-    rc, out, res = golden_cli(tmp_path, "check", "topk", "--engine", "hf.jsonl", "--golden", str(DATA / "tiny-random"),
-                              "--fp32")
+    rc, out, res = golden_cli(
+        tmp_path, "check", "topk", "--engine", "hf.jsonl", "--golden", str(DATA / "tiny-random"), "--fp32"
+    )
     assert rc == 0 and res["result"] == "pass" and res["tol"] == "fp32", out
     assert res["records"] == 48 and res["positions"] == random_golden.manifest["positions"] and res["max"] < 1e-4
     assert "hf_gate PASS" in out
@@ -62,8 +65,9 @@ def test_topk_hf_records_pass_and_a_perturbed_copy_fails(tmp_path, random_golden
     pos = next(p for p, lps in enumerate(rec.topk_logprobs) if lps[0] - lps[5] > 1.0)
     ids = [list(r) for r in rec.topk_ids]
     ids[pos][0], ids[pos][5] = ids[pos][5], ids[pos][0]
-    write_jsonl(tmp_path / "bad.jsonl",
-                hf_topk[:rec_i] + [dataclasses.replace(rec, topk_ids=ids)] + hf_topk[rec_i + 1:])
+    write_jsonl(
+        tmp_path / "bad.jsonl", hf_topk[:rec_i] + [dataclasses.replace(rec, topk_ids=ids)] + hf_topk[rec_i + 1 :]
+    )
     rc, out, res = golden_cli(tmp_path, "check", "topk", "--engine", "bad.jsonl", "--golden", str(DATA / "tiny-random"))
     assert rc == 1 and res["result"] == "fail" and res["tol"] == "bf16", out
     assert res["violations"] == 1 and res["first_violations"][0]["name"] == rec.name
@@ -77,8 +81,9 @@ def test_greedy_hf_records_pass_and_a_perturbed_copy_fails(tmp_path, random_gold
     names = ",".join(r.name for r in subset)
     hf = hf_reference.greedy(target, {r.name: r.prompt_ids for r in subset}, 24, None)
     write_jsonl(tmp_path / "g.jsonl", hf)
-    rc, out, res = golden_cli(tmp_path, "check", "greedy", "--engine", "g.jsonl", "--golden", str(DATA / "tiny-random"),
-                              "--names", names)
+    rc, out, res = golden_cli(
+        tmp_path, "check", "greedy", "--engine", "g.jsonl", "--golden", str(DATA / "tiny-random"), "--names", names
+    )
     assert rc == 0 and res["identical"] == res["records"] == 8, out
     assert "8 of 48 golden records (explicit subset)" in out
     bad = list(hf)
@@ -86,8 +91,17 @@ def test_greedy_hf_records_pass_and_a_perturbed_copy_fails(tmp_path, random_gold
     out_ids[5] = (out_ids[5] + 1) % 1000
     bad[3] = GreedyRecord(bad[3].name, bad[3].prompt_ids, out_ids)
     write_jsonl(tmp_path / "bad.jsonl", bad)
-    rc, out, res = golden_cli(tmp_path, "check", "greedy", "--engine", "bad.jsonl", "--golden",
-                              str(DATA / "tiny-random" / "greedy.jsonl"), "--names", names)
+    rc, out, res = golden_cli(
+        tmp_path,
+        "check",
+        "greedy",
+        "--engine",
+        "bad.jsonl",
+        "--golden",
+        str(DATA / "tiny-random" / "greedy.jsonl"),
+        "--names",
+        names,
+    )
     assert rc == 1 and res["mismatches"] == 1, out
     m = res["first_mismatches"][0]
     assert m["name"] == bad[3].name and m["position"] == 5
@@ -102,8 +116,11 @@ def test_acceptance_oracle_records_pass_and_a_perturbed_copy_fails(tmp_path):
     recs = []
     for n in names:
         run = oracle_spec_generate(spec.target_dir, spec.draft_dir, golden[n].prompt_ids, 24, spec.eos_token_id)
-        recs.append(dataclasses.replace(golden[n], output_ids=run.output_ids, accepted_lengths=run.committed_lengths,
-                                        draft_margins=[]))
+        recs.append(
+            dataclasses.replace(
+                golden[n], output_ids=run.output_ids, accepted_lengths=run.committed_lengths, draft_margins=[]
+            )
+        )
     write_jsonl(tmp_path / "a.jsonl", recs)
     args = ["--golden", str(DATA / "tiny-trained"), "--names", ",".join(names)]
     rc, out, res = golden_cli(tmp_path, "check", "acceptance", "--engine", "a.jsonl", *args)
@@ -121,15 +138,24 @@ def _greedy_golden(names=("a", "b", "c")):
     return [GreedyRecord(n, [1, 2, 3], [4, 5]) for n in names]
 
 
-@pytest.mark.parametrize("case,engine,message", [
-    ("empty", [], "no engine records: nothing was gated against the 3 greedy golden records"),
-    ("partial", _greedy_golden("a"), "partial coverage: engine wrote 1 of the 3 greedy golden records; missing "
-        "2: 'b', 'c'"),
-    ("duplicate", _greedy_golden("aabc"), "engine records hold these names more than once: 'a'"),
-    ("unknown", _greedy_golden("abcz"), "engine records with no greedy golden record: 'z'"),
-    ("other ids", _greedy_golden("ab") + [GreedyRecord("c", [1, 9, 3], [4, 5])],
-     "c: engine and greedy golden records hold different prompt_ids (first difference at 1"),
-])
+@pytest.mark.parametrize(
+    "case,engine,message",
+    [
+        ("empty", [], "no engine records: nothing was gated against the 3 greedy golden records"),
+        (
+            "partial",
+            _greedy_golden("a"),
+            "partial coverage: engine wrote 1 of the 3 greedy golden records; missing 2: 'b', 'c'",
+        ),
+        ("duplicate", _greedy_golden("aabc"), "engine records hold these names more than once: 'a'"),
+        ("unknown", _greedy_golden("abcz"), "engine records with no greedy golden record: 'z'"),
+        (
+            "other ids",
+            _greedy_golden("ab") + [GreedyRecord("c", [1, 9, 3], [4, 5])],
+            "c: engine and greedy golden records hold different prompt_ids (first difference at 1",
+        ),
+    ],
+)
 def test_coverage_errors_exit_2(tmp_path, case, engine, message):
     write_jsonl(tmp_path / "golden.jsonl", _greedy_golden())
     write_jsonl(tmp_path / "e.jsonl", engine)
@@ -139,22 +165,36 @@ def test_coverage_errors_exit_2(tmp_path, case, engine, message):
 
 
 def test_narrow_topk_exits_2(tmp_path, random_golden):
-    narrow = [dataclasses.replace(r, topk_ids=[row[:5] for row in r.topk_ids],
-                                  topk_logprobs=[row[:5] for row in r.topk_logprobs]) for r in random_golden.topk]
+    narrow = [
+        dataclasses.replace(
+            r, topk_ids=[row[:5] for row in r.topk_ids], topk_logprobs=[row[:5] for row in r.topk_logprobs]
+        )
+        for r in random_golden.topk
+    ]
     write_jsonl(tmp_path / "e.jsonl", narrow)
     rc, out, res = golden_cli(tmp_path, "check", "topk", "--engine", "e.jsonl", "--golden", str(DATA / "tiny-random"))
     assert rc == 2 and "need k >= 8 top tokens per row for the head deltas; 48 have fewer" in res["message"], out
 
 
-@pytest.mark.parametrize("args,message", [
-    (["check", "greedy", "--engine", "missing.jsonl", "--golden", str(DATA / "tiny-random")], "no such record file"),
-    (["check", "acceptance", "--engine", "x.jsonl", "--golden", str(DATA / "tiny-random")],
-     "no golden acceptance records at"),
-    (["check", "greedy", "--engine", "x.jsonl"], "the following arguments are required: --golden"),
-    (["check", "topk", "--engine", "x.jsonl", "--golden", ".", "--tol", "fp8"], "invalid choice: 'fp8'"),
-    (["check", "greedy", "--engine", "notjson.jsonl", "--golden", str(DATA / "tiny-random")], "notjson.jsonl:1: "
-        "not JSON"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["check", "greedy", "--engine", "missing.jsonl", "--golden", str(DATA / "tiny-random")],
+            "no such record file",
+        ),
+        (
+            ["check", "acceptance", "--engine", "x.jsonl", "--golden", str(DATA / "tiny-random")],
+            "no golden acceptance records at",
+        ),
+        (["check", "greedy", "--engine", "x.jsonl"], "the following arguments are required: --golden"),
+        (["check", "topk", "--engine", "x.jsonl", "--golden", ".", "--tol", "fp8"], "invalid choice: 'fp8'"),
+        (
+            ["check", "greedy", "--engine", "notjson.jsonl", "--golden", str(DATA / "tiny-random")],
+            "notjson.jsonl:1: not JSON",
+        ),
+    ],
+)
 def test_bad_input_exits_2(tmp_path, args, message):
     (tmp_path / "x.jsonl").write_text("")
     (tmp_path / "notjson.jsonl").write_text("{nope\n")
@@ -163,22 +203,30 @@ def test_bad_input_exits_2(tmp_path, args, message):
 
 
 def test_golden_imports_without_refengine(tmp_path):
-    code = ("import sys; sys.modules['refengine'] = None\n"
-            "import golden.cli, golden.acceptance, golden.greedy_gate, golden.features, golden.regen, "
-                "golden.oracle_dflash\n"
-            "assert not [m for m in sys.modules if m.startswith('refengine') and sys.modules[m] is not None]\n"
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['refengine'] = None\n"
+        "import golden.cli, golden.acceptance, golden.greedy_gate, golden.features, golden.regen, "
+        "golden.oracle_dflash\n"
+        "assert not [m for m in sys.modules if m.startswith('refengine') and sys.modules[m] is not None]\n"
+        "print('ok')"
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
     # the gates and the CLI need neither torch nor transformers: a CI box with plain Python can run them
-    no_torch = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
-                "import golden.cli, golden.acceptance, golden.greedy_gate, golden.gates, golden.coverage\nprint('ok')")
-    proc = subprocess.run([sys.executable, "-c", no_torch], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+    no_torch = (
+        "import sys; sys.modules['torch'] = sys.modules['transformers'] = None\n"
+        "import golden.cli, golden.acceptance, golden.greedy_gate, golden.gates, golden.coverage\nprint('ok')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", no_torch], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
-    offenders = [p.name for p in (ROOT / "golden").glob("*.py")
-                 if any(line.lstrip().startswith(("import refengine", "from refengine"))
-                        for line in p.read_text().splitlines())]
+    offenders = [
+        p.name
+        for p in (ROOT / "golden").glob("*.py")
+        if any(line.lstrip().startswith(("import refengine", "from refengine")) for line in p.read_text().splitlines())
+    ]
     assert not offenders, f"golden files importing refengine: {offenders}"

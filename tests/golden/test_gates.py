@@ -8,6 +8,7 @@ tiny-random goldens (live HF fp32 passes; a context corruption fails).
 
     HF_HUB_OFFLINE=1 python -m pytest tests/golden/test_gates.py -q
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,8 +96,9 @@ def test_genuine_near_tie_flip_passes():
 
 def test_head_delta_mean_over_tolerance_fails(hf_pair):
     lps, hf = hf_pair
-    shifted = [TopKRecord("seq", r.token_ids, r.topk_ids, [[v + 0.1 for v in row] for row in r.topk_logprobs])
-               for r in hf]  # same ranking, every logprob 0.1 nat off: no argmax violation at all
+    shifted = [
+        TopKRecord("seq", r.token_ids, r.topk_ids, [[v + 0.1 for v in row] for row in r.topk_logprobs]) for r in hf
+    ]  # same ranking, every logprob 0.1 nat off: no argmax violation at all
     report = hf_gate(shifted, hf, BF16)
     assert not report.violations
     assert report.mean == pytest.approx(0.1, abs=1e-5) and not report.passed
@@ -239,8 +241,7 @@ def test_jsonl_round_trip(tmp_path, suffix, hf_pair):
     p2 = write_jsonl(tmp_path / f"greedy{suffix}", greedy)
     back = read_records(p1)
     assert back[0].token_ids == hf[0].token_ids and back[0].topk_ids == hf[0].topk_ids
-    assert max(abs(a - b) for ra, rb in zip(back[0].topk_logprobs, hf[0].topk_logprobs)
-               for a, b in zip(ra, rb)) < 1e-6
+    assert max(abs(a - b) for ra, rb in zip(back[0].topk_logprobs, hf[0].topk_logprobs) for a, b in zip(ra, rb)) < 1e-6
     assert read_records(p2) == greedy
     before = p1.read_bytes()
     write_jsonl(p1, hf)

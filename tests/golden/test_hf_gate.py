@@ -7,6 +7,7 @@ the fly and gated against live HF records (every stored pair is tied, which hide
 
 Run: pytest tests/golden/test_hf_gate.py     (CPU, fp32 tolerances from golden/gates.py)
 """
+
 from __future__ import annotations
 
 import pytest

@@ -7,6 +7,7 @@ holds after every scenario.
 
 Run: pytest tests/golden/test_lossless.py        (or: pytest -k lossless)
 """
+
 from __future__ import annotations
 
 import json
@@ -30,9 +31,16 @@ def _prompts(pair, n: int, seed: int = 0) -> list[list[int]]:
     out = []
     if pair.has_tokenizer:
         from tokenizers import Tokenizer
+
         tok = Tokenizer.from_file(str(pair.target / "tokenizer.json"))
-        texts = ["def fibonacci(n):", "import os\nimport sys\n\n", "The quick brown fox", "class Stack:\n    def",
-                 "<|im_start|>user\nWhat does len() do?<|im_end|>\n<|im_start|>assistant\n", "for i in range("]
+        texts = [
+            "def fibonacci(n):",
+            "import os\nimport sys\n\n",
+            "The quick brown fox",
+            "class Stack:\n    def",
+            "<|im_start|>user\nWhat does len() do?<|im_end|>\n<|im_start|>assistant\n",
+            "for i in range(",
+        ]
         out += [tok.encode(t).ids for t in texts]
     vocab = json.loads((pair.target / "config.json").read_text())["vocab_size"]
     while len(out) < n:
@@ -68,8 +76,9 @@ def test_lossless_dflash_concurrent_heterogeneous_budgets(model_pair):
     plain = greedy(cpu_engine(model_pair.target), prompts, budgets, ign)
     engine = cpu_engine(model_pair.target, model_pair.draft)
     # half submitted together, half staggered in while the first half is mid-generation
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=ign))
-            for p, m in zip(prompts[:7], budgets[:7])]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=ign)) for p, m in zip(prompts[:7], budgets[:7])
+    ]
     for _ in range(3):
         engine.step()
     for p, m in zip(prompts[7:], budgets[7:]):
@@ -129,8 +138,10 @@ def test_lossless_garbage_proposer_tau_is_one(random_pair):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), wrong=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(1, B - 1)),
-                                                  max_size=30))
+@given(
+    seed=st.integers(0, 2**16),
+    wrong=st.sets(st.tuples(st.integers(0, 3), st.integers(0, 6), st.integers(1, B - 1)), max_size=30),
+)
 def test_lossless_noisy_proposer(random_pair, seed, wrong):
     prompts = _prompts(random_pair, 4, seed=seed)
     budgets = [random.Random(seed).choice(BUDGETS) for _ in prompts]
@@ -142,6 +153,7 @@ def test_lossless_eos_inside_accepted_run(random_pair, tmp_path):
     # a golden whose HF greedy output first shows some token at index 3..14: inside the first verify span
     def fresh(out):
         return next((j for j in range(3, 15) if out[j] not in out[:j]), None)
+
     g = next(g for g in load_golden(random_pair.name).greedy if fresh(list(g.output_ids)) is not None)
     prompt = list(g.prompt_ids)
     ref = greedy(cpu_engine(random_pair.target), [prompt], 40)[0]
@@ -152,7 +164,7 @@ def test_lossless_eos_inside_accepted_run(random_pair, tmp_path):
     cfg = json.loads((target / "config.json").read_text())
     (target / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
     plain = greedy(cpu_engine(target), [prompt], 40, ignore_eos=False)[0]
-    assert plain == ref[:stop + 1]
+    assert plain == ref[: stop + 1]
     proposer = oracle(B, 1024)
     engine = cpu_engine(target, proposer=proposer)
     r = engine.add_request(prompt, SamplingParams(max_tokens=40))
@@ -169,8 +181,10 @@ def test_lossless_eligible_and_ineligible_in_one_engine(random_pair):
     prompts = _prompts(random_pair, 8, seed=4)
     plain = greedy(cpu_engine(random_pair.target), prompts, 20)
     engine = cpu_engine(random_pair.target, random_pair.draft)
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3 if i % 2 else 0))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3 if i % 2 else 0))
+        for i, p in enumerate(prompts)
+    ]
     while engine.has_work():
         engine.step()
     for i, (r, p) in enumerate(zip(reqs, plain)):

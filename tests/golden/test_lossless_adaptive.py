@@ -6,6 +6,7 @@ alignment hold after every scenario.
 
 Run: pytest tests/golden/test_lossless_adaptive.py     (or: pytest -k lossless)
 """
+
 from __future__ import annotations
 
 import random

@@ -12,6 +12,7 @@ spec loop on every stored prompt.
     HF_HUB_OFFLINE=1 python -m pytest tests/golden/test_oracle_dflash.py -q            # fast ones
     HF_HUB_OFFLINE=1 python -m pytest tests/golden/test_oracle_dflash.py -q -m slow    # the slow ones
 """
+
 from __future__ import annotations
 
 import random
@@ -193,7 +194,7 @@ class ScriptedDrafter:
         assert context.shape[0] == start and self.ref[start] == current
         dense = hf_reference.target_features(TARGET, self.ref[:start], self.geom.target_layer_ids)
         torch.testing.assert_close(context, dense, rtol=1e-5, atol=1e-5)
-        drafts = self.ref[start + 1: start + 16]
+        drafts = self.ref[start + 1 : start + 16]
         bad = self.wrong(self.steps)
         self.steps += 1
         return [1023 if j in bad else t for j, t in enumerate(drafts)]
@@ -209,8 +210,9 @@ def test_forced_acceptance_tau_equals_span(budget, taus):
 
 def test_garbage_drafts_give_tau_one():
     prompt = rand_ids(9, seed=5)
-    run = oracle_spec_generate(TARGET, DRAFT, prompt, 12, None,
-                               drafter=ScriptedDrafter(prompt, 12, wrong=lambda s: set(range(15))))
+    run = oracle_spec_generate(
+        TARGET, DRAFT, prompt, 12, None, drafter=ScriptedDrafter(prompt, 12, wrong=lambda s: set(range(15)))
+    )
     assert run.accepted_lengths == [1] * 11
     assert run.output_ids == hf_reference.greedy_ids(TARGET, prompt, 12, None)
 
@@ -221,8 +223,9 @@ def test_noisy_drafts_are_lossless(seed):
     prompt = rand_ids(rng.randrange(1, 60), seed=seed)
     budget = rng.randrange(1, 50)
     first_wrong = [rng.randrange(0, 16) for _ in range(64)]  # the first wrong draft index of each step
-    run = oracle_spec_generate(TARGET, DRAFT, prompt, budget, None,
-                               drafter=ScriptedDrafter(prompt, budget, wrong=lambda s: {first_wrong[s]}))
+    run = oracle_spec_generate(
+        TARGET, DRAFT, prompt, budget, None, drafter=ScriptedDrafter(prompt, budget, wrong=lambda s: {first_wrong[s]})
+    )
     assert run.output_ids == hf_reference.greedy_ids(TARGET, prompt, budget, None)
     for step, (tau, drafts) in enumerate(zip(run.accepted_lengths, run.drafts)):
         assert tau == min(first_wrong[step], len(drafts)) + 1

@@ -4,6 +4,7 @@ fails it with the numbers printed. The gate has teeth on the bug class it exists
 
 Run: pytest tests/golden/test_regret_gate_engine.py
 """
+
 from __future__ import annotations
 
 import random
@@ -23,8 +24,11 @@ def _gate(pair, spec_engine):
 
     def score(ids):
         return score_sequences(scorer, [("rescore", ids[:-1], ids[-1:])])[0]
-    return [first_divergence_regret_gate(p, b, s, score, tol=MARGIN_TOL, name=f"p{i}")
-            for i, (p, b, s) in enumerate(zip(prompts, plain, spec))]
+
+    return [
+        first_divergence_regret_gate(p, b, s, score, tol=MARGIN_TOL, name=f"p{i}")
+        for i, (p, b, s) in enumerate(zip(prompts, plain, spec))
+    ]
 
 
 def test_regret_gate_passes_the_engine(random_pair):
@@ -40,6 +44,7 @@ def test_regret_gate_fails_an_off_by_one_acceptance(random_pair, monkeypatch):
             m = min(r.accepted + 1, len(d))  # the bug: the first mismatching draft is committed too
             out.append(VerifyResult(m, tuple(d[:m]) + (t[m],), False))
         return out
+
     monkeypatch.setattr(scheduler_module, "build_verify_results", accept_one_too_many)
     reports = _gate(random_pair, cpu_engine(random_pair.target, random_pair.draft))
     for r in reports:

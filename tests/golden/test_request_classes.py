@@ -13,6 +13,7 @@ broken copy of the mechanism it guards (problems found), so no check here can si
 
 Run: pytest tests/golden/test_request_classes.py
 """
+
 from __future__ import annotations
 
 import pytest
@@ -54,16 +55,25 @@ def _engine(pair, spec: bool, breakage=None, **kw):
 
 def ignore_eos_problems(engine, prompt: list[int], want_full: list[int], want_eos: list[int]) -> list[str]:
     problems = []
-    reqs = run_requests(engine, [(prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
-                                 (prompt, SamplingParams(max_tokens=MAX_TOKENS))])
-    for r, want, reason, label in ((reqs[0], want_full, FinishReason.LENGTH, "ignore_eos=True"),
-                                   (reqs[1], want_eos, FinishReason.EOS, "ignore_eos=False")):
+    reqs = run_requests(
+        engine,
+        [
+            (prompt, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
+            (prompt, SamplingParams(max_tokens=MAX_TOKENS)),
+        ],
+    )
+    for r, want, reason, label in (
+        (reqs[0], want_full, FinishReason.LENGTH, "ignore_eos=True"),
+        (reqs[1], want_eos, FinishReason.EOS, "ignore_eos=False"),
+    ):
         d = first_divergence(r.output_ids, want)
         if d is not None or r.finish_reason is not reason:
-            problems.append(f"{label}: {len(r.output_ids)} tokens, finish {r.finish_reason}, want {len(want)} "
-                            f"tokens and {reason}; first divergence at {d}: "
-                             f"got {r.output_ids[d:d + 4] if d is not None else []} "
-                            f"want {want[d:d + 4] if d is not None else []}")
+            problems.append(
+                f"{label}: {len(r.output_ids)} tokens, finish {r.finish_reason}, want {len(want)} "
+                f"tokens and {reason}; first divergence at {d}: "
+                f"got {r.output_ids[d : d + 4] if d is not None else []} "
+                f"want {want[d : d + 4] if d is not None else []}"
+            )
     assert_no_leftovers(engine, "ignore_eos")
     return problems
 
@@ -89,21 +99,28 @@ def prompt_logprobs_problems(engine, prompts: dict[str, list[int]]) -> list[str]
     plain (speculating). All three must generate the same tokens."""
     items = []
     for p in prompts.values():
-        items += [(p, SamplingParams(max_tokens=20, logprobs=4, prompt_logprobs=True)),
-                  (p, SamplingParams(max_tokens=20, logprobs=4)), (p, SamplingParams(max_tokens=20))]
+        items += [
+            (p, SamplingParams(max_tokens=20, logprobs=4, prompt_logprobs=True)),
+            (p, SamplingParams(max_tokens=20, logprobs=4)),
+            (p, SamplingParams(max_tokens=20)),
+        ]
     reqs = run_requests(engine, items)
     problems = []
     for i, name in enumerate(prompts):
-        with_pl, without, plain = reqs[3 * i: 3 * i + 3]
+        with_pl, without, plain = reqs[3 * i : 3 * i + 3]
         # one row per prompt position, then one per generated token but the last (nothing scores past it)
         if len(with_pl.topk) != len(with_pl.prompt_ids) + len(with_pl.output_ids) - 1:
-            problems.append(f"{name}: {len(with_pl.topk)} top-k rows for {len(with_pl.prompt_ids)} prompt + "
-                            f"{len(with_pl.output_ids)} generated tokens")
+            problems.append(
+                f"{name}: {len(with_pl.topk)} top-k rows for {len(with_pl.prompt_ids)} prompt + "
+                f"{len(with_pl.output_ids)} generated tokens"
+            )
         for other, label in ((without, "logprobs only"), (plain, "plain")):
             d = first_divergence(with_pl.output_ids, other.output_ids)
             if d is not None:
-                problems.append(f"{name}: prompt_logprobs request differs from the {label} one at generated "
-                                f"position {d}: got {with_pl.output_ids[d:d + 4]} want {other.output_ids[d:d + 4]}")
+                problems.append(
+                    f"{name}: prompt_logprobs request differs from the {label} one at generated "
+                    f"position {d}: got {with_pl.output_ids[d : d + 4]} want {other.output_ids[d : d + 4]}"
+                )
     assert_no_leftovers(engine, "prompt_logprobs")
     return problems
 
@@ -134,8 +151,10 @@ def starvation_problems(engine, prompts: list[list[int]]) -> list[str]:
             stalled[r.request_id] = 0 if len(r.output_ids) > before[r.request_id] else stalled[r.request_id] + 1
             if stalled[r.request_id] == 2:
                 live = sum(not s.finished for s in spec)
-                problems.append(f"ineligible request {r.request_id} made no progress in steps {step - 1}..{step} "
-                                f"({len(r.output_ids)} of 12 tokens) while {live} speculating requests ran")
+                problems.append(
+                    f"ineligible request {r.request_id} made no progress in steps {step - 1}..{step} "
+                    f"({len(r.output_ids)} of 12 tokens) while {live} speculating requests ran"
+                )
     assert all(r.spec.verify_steps > 0 for r in spec) and all(len(r.output_ids) == 12 for r in plain)
     assert_no_leftovers(engine, "starvation")
     return problems
@@ -155,12 +174,15 @@ def test_ineligible_request_advances_every_other_step(trained_pair, prompts):
 def leftover_problems(engine, prompts: list[list[int]]) -> list[str]:
     """A mixed scenario; after every step, no finished request may still own a drafter context, a KV block
     table, a KV length or a lifetime reservation; after the last, nothing at all."""
-    items = [(prompts[6], SamplingParams(max_tokens=MAX_TOKENS)),  # stops at EOS
-             (prompts[0], SamplingParams(max_tokens=20, ignore_eos=True)),
-             (prompts[1], SamplingParams(max_tokens=1)),
-             (prompts[2], SamplingParams(max_tokens=17, logprobs=3, prompt_logprobs=True)),
-             (prompts[3], SamplingParams(max_tokens=10_000)),  # rejected: over the context window
-             (prompts[4], SamplingParams(max_tokens=16)), (prompts[5], SamplingParams(max_tokens=33))]
+    items = [
+        (prompts[6], SamplingParams(max_tokens=MAX_TOKENS)),  # stops at EOS
+        (prompts[0], SamplingParams(max_tokens=20, ignore_eos=True)),
+        (prompts[1], SamplingParams(max_tokens=1)),
+        (prompts[2], SamplingParams(max_tokens=17, logprobs=3, prompt_logprobs=True)),
+        (prompts[3], SamplingParams(max_tokens=10_000)),  # rejected: over the context window
+        (prompts[4], SamplingParams(max_tokens=16)),
+        (prompts[5], SamplingParams(max_tokens=33)),
+    ]
     reqs = [engine.add_request(p, sp) for p, sp in items[:4]]
     problems, pending = [], items[4:]
     while engine.has_work() or pending:

@@ -8,6 +8,7 @@ position and source (all three keep outputs lossless; tau barely notices the fir
 
 Run: pytest tests/golden/test_target_features.py
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ BUDGETS = [40, 17, 33, 40, 5, 24, 16]
 
 def _prompts(pair) -> list[list[int]]:
     if pair.has_tokenizer:
-        return list(text_prompts(pair_spec(pair.name)).values())[:len(BUDGETS)]
+        return list(text_prompts(pair_spec(pair.name)).values())[: len(BUDGETS)]
     vocab = json.loads((pair.target / "config.json").read_text())["vocab_size"]
     rng = random.Random(3)
     return [[rng.randrange(3, vocab - 1) for _ in range(n)] for n in (5, 18, 31, 44, 57, 70, 83)]
@@ -57,8 +58,9 @@ def feature_reports(pair, breakage=None):
     prompts = _prompts(pair)
     reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=BUDGETS[0], ignore_eos=True))]
     engine.step()
-    reqs += [engine.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True))
-             for p, b in zip(prompts[1:], BUDGETS[1:])]
+    reqs += [
+        engine.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts[1:], BUDGETS[1:])
+    ]
     while engine.has_work():
         engine.step()
     assert_no_leftovers(engine, "feature scenario")
@@ -83,11 +85,15 @@ def test_features_handed_to_the_drafter_equal_hf(model_pair):
         rep.assert_passes()
 
 
-@pytest.mark.parametrize("breakage,failing,first_label", [
-    (break_tap_layers_off_by_one, range(7), "PrefillPlan"),
-    (break_rotate_batched_prefill_features, range(1, 7), "PrefillPlan of 6"),
-    (break_verify_features_shifted, range(7), "VerifyPlan"),
-], ids=["tap-layer+1", "neighbour-rows", "verify-rows-shifted"])
+@pytest.mark.parametrize(
+    "breakage,failing,first_label",
+    [
+        (break_tap_layers_off_by_one, range(7), "PrefillPlan"),
+        (break_rotate_batched_prefill_features, range(1, 7), "PrefillPlan of 6"),
+        (break_verify_features_shifted, range(7), "VerifyPlan"),
+    ],
+    ids=["tap-layer+1", "neighbour-rows", "verify-rows-shifted"],
+)
 def test_feature_check_fails_on_a_broken_engine(trained_pair, breakage, failing, first_label):
     reports, _ = feature_reports(trained_pair, breakage)
     for rep in reports:

@@ -14,6 +14,7 @@ near-tie flips and with them a few steps' acceptance. Re-run with -s and re-cali
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_acceptance.py -s
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,8 +33,9 @@ INVARIANCE_TOKENS = 64  # longer than the goldens' 24: more verify steps per req
 
 def _run(pair, goldens, max_tokens, max_num_seqs):
     engine = gpu_engine(pair.target, pair.draft, max_num_seqs=max_num_seqs)
-    reqs = run_requests(engine, [(g.prompt_ids, SamplingParams(max_tokens=max_tokens or len(g.output_ids)))
-                                 for g in goldens])
+    reqs = run_requests(
+        engine, [(g.prompt_ids, SamplingParams(max_tokens=max_tokens or len(g.output_ids))) for g in goldens]
+    )
     records = [acceptance_record(g.name, r) for g, r in zip(goldens, reqs)]
     assert_no_leftovers(engine, f"gpu c{max_num_seqs}")
     return records
@@ -45,8 +47,10 @@ def test_gpu_bf16_tau_within_tolerance_of_the_goldens(trained_pair):
     report = acceptance_gate(records, goldens)
     print(f"\n[informational, fp32 margins] {report}")
     ratio = report.engine_tau / report.golden_tau
-    print(f"tau bf16 {report.engine_tau:.4f} / golden fp32 {report.golden_tau:.4f} = {ratio:.4f} "
-          f"(tol {GPU_BF16_TAU_REL_TOL})")
+    print(
+        f"tau bf16 {report.engine_tau:.4f} / golden fp32 {report.golden_tau:.4f} = {ratio:.4f} "
+        f"(tol {GPU_BF16_TAU_REL_TOL})"
+    )
     assert abs(ratio - 1) <= GPU_BF16_TAU_REL_TOL, f"tau ratio {ratio:.4f} outside 1 +- {GPU_BF16_TAU_REL_TOL}"
 
 

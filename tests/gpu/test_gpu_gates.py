@@ -6,6 +6,7 @@ concurrently with heterogeneous budgets, with the KV integrity check after every
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu      (lossless only: -m gpu -k lossless)
 """
+
 from __future__ import annotations
 
 import json
@@ -47,13 +48,18 @@ def _prompts(pair, n, seed):
 def _gate_all(pair, prompts, plain, spec, spec_engine, label):
     def score(ids):
         return score_sequences(spec_engine, [("rescore", ids[:-1], ids[-1:])])[0]
+
     reports = []
     for i, (p, b, s) in enumerate(zip(prompts, plain, spec)):
         rep = first_divergence_regret_gate(p, b, s, score, tol=MARGIN_TOL, reanchor=True, name=f"{label}-{i}")
         reports.append(rep)
-    print(f"\n[{pair.name} {label}] " + "; ".join(
-        f"#{i}: div {r.first_divergence} regret {r.first_regret:.3f} flips {r.tie_flips}"
-        for i, r in enumerate(reports)))
+    print(
+        f"\n[{pair.name} {label}] "
+        + "; ".join(
+            f"#{i}: div {r.first_divergence} regret {r.first_regret:.3f} flips {r.tie_flips}"
+            for i, r in enumerate(reports)
+        )
+    )
     for r in reports:
         r.assert_passes()
 
@@ -67,8 +73,10 @@ def test_gpu_lossless_dflash_regret_gate(model_pair, concurrent):
     spec_engine = gpu_engine(model_pair.target, model_pair.draft, max_num_seqs=seqs)
     spec = greedy(spec_engine, prompts, budgets)
     stats = spec_engine.spec_stats()
-    print(f"\n[{model_pair.name}] tau {stats.tau:.2f} over {stats.verify_steps} verify steps, "
-          f"histogram {dict(sorted(stats.accepted_hist.items()))}")
+    print(
+        f"\n[{model_pair.name}] tau {stats.tau:.2f} over {stats.verify_steps} verify steps, "
+        f"histogram {dict(sorted(stats.accepted_hist.items()))}"
+    )
     for s, b in zip(spec, budgets):
         assert len(s) == b
     spec_engine.check_integrity()

@@ -9,6 +9,7 @@ the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_graphs.py -s
 """
+
 from __future__ import annotations
 
 import random
@@ -31,12 +32,15 @@ def _prompts(n: int, lengths: list[int], seed: int, vocab: int) -> list[list[int
 def _regret_failures(scorer, prompts, baseline, outputs, label) -> list[str]:
     def score(ids):
         return score_sequences(scorer, [("rescore", ids[:-1], ids[-1:])])[0]
+
     bad = []
     for i, (p, b, o) in enumerate(zip(prompts, baseline, outputs)):
         rep = first_divergence_regret_gate(p, b, o, score, tol=MARGIN_TOL, reanchor=True, name=f"{label}-{i}")
         if rep.violations:
-            bad.append(f"{label}-{i}: first divergence {rep.first_divergence}, regret {rep.first_regret:.3f}, "
-                       f"{len(rep.violations)} violations")
+            bad.append(
+                f"{label}-{i}: first divergence {rep.first_divergence}, regret {rep.first_regret:.3f}, "
+                f"{len(rep.violations)} violations"
+            )
     return bad
 
 

@@ -3,6 +3,7 @@
 `spec_server` runs target + DFlash drafter, `plain_server` the target alone; each is a uvicorn.Server in a
 background thread (refengine.server.serve.BackgroundServer), torn down at the end of the session. `reference`
 is a plain CPU engine for Engine.generate / Engine.score comparisons."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,7 @@ if not (PAIR / "target" / "tokenizer.json").is_file():
 @pytest.fixture(scope="session")
 def spec_server():
     from refengine.server.serve import BackgroundServer
+
     srv = BackgroundServer(cpu_engine(PAIR / "target", PAIR / "draft"), model_name="tiny-trained")
     yield srv
     srv.stop()
@@ -29,6 +31,7 @@ def spec_server():
 @pytest.fixture(scope="session")
 def plain_server():
     from refengine.server.serve import BackgroundServer
+
     srv = BackgroundServer(cpu_engine(PAIR / "target"), model_name="tiny-trained")
     yield srv
     srv.stop()
@@ -42,4 +45,5 @@ def reference():
 @pytest.fixture(scope="session")
 def detok():
     from refengine.server.serve import detok_of
+
     return detok_of(PAIR / "target")

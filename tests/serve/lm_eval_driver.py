@@ -8,6 +8,7 @@ so lm-eval is imported once.
 
 Run: python tests/serve/lm_eval_driver.py OUT.json URL [URL ...]   (each URL a running `refengine serve`)
 """
+
 from __future__ import annotations
 
 import json
@@ -25,16 +26,37 @@ def evaluate(url: str) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    model_args = {"model": "tiny-trained", "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
-                  "tokenizer": str(TOKENIZER), "max_length": 2048, "num_concurrent": 3, "max_retries": 1,
-                  "timeout": 60}
+    model_args = {
+        "model": "tiny-trained",
+        "base_url": f"{url}/v1/completions",
+        "tokenizer_backend": "huggingface",
+        "tokenizer": str(TOKENIZER),
+        "max_length": 2048,
+        "num_concurrent": 3,
+        "max_retries": 1,
+        "timeout": 60,
+    }
     t0 = time.monotonic()
-    out = simple_evaluate(model="local-completions", model_args=model_args, tasks=TASK_NAMES, log_samples=True,
-                          task_manager=TaskManager(include_path=str(TASKS), include_defaults=False))
+    out = simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=TASK_NAMES,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
+    )
     assert out is not None
-    samples = {task: [{"doc_id": s["doc_id"], "resps": s["resps"], "filtered_resps": s["filtered_resps"],
-                       **{m: s[m] for m in ("exact_match", "acc") if m in s}}
-                      for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])] for task in TASK_NAMES}
+    samples = {
+        task: [
+            {
+                "doc_id": s["doc_id"],
+                "resps": s["resps"],
+                "filtered_resps": s["filtered_resps"],
+                **{m: s[m] for m in ("exact_match", "acc") if m in s},
+            }
+            for s in sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        ]
+        for task in TASK_NAMES
+    }
     return {"url": url, "seconds": round(time.monotonic() - t0, 2), "results": out["results"], "samples": samples}
 
 

@@ -11,6 +11,7 @@ equivalent is in README.md) against servers started in-process on free loopback 
 
 Run: python -m pytest -q tests/serve/test_lm_eval.py
 """
+
 from __future__ import annotations
 
 import json
@@ -32,22 +33,32 @@ LM_EVAL_TIMEOUT_S = 240
 
 def run_lm_eval(urls: list[str], out: Path) -> dict:
     """lm-eval's local-completions against each URL (one subprocess); {"import_s", "runs": [per URL]}."""
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OPENAI_API_KEY="unused")
+    env = dict(
+        os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OPENAI_API_KEY="unused"
+    )
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out), *urls], env=env, capture_output=True, text=True,
-                          cwd=DRIVER.parent / "lm_eval_tasks",
-                          timeout=LM_EVAL_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), str(out), *urls],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=DRIVER.parent / "lm_eval_tasks",
+        timeout=LM_EVAL_TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(out.read_text())
-    print(f"lm-eval: {time.monotonic() - t0:.1f}s with the subprocess start, per server "
-          f"{[r['seconds'] for r in res['runs']]}s")
+    print(
+        f"lm-eval: {time.monotonic() - t0:.1f}s with the subprocess start, per server "
+        f"{[r['seconds'] for r in res['runs']]}s"
+    )
     return res
 
 
 def test_lm_eval_spec_on_equals_off(spec_server, plain_server, tmp_path):
-    on, off = (r["samples"] | {"results": [r["results"]]}
-               for r in run_lm_eval([spec_server.url, plain_server.url], tmp_path / "lm_eval.json")["runs"])
+    on, off = (
+        r["samples"] | {"results": [r["results"]]}
+        for r in run_lm_eval([spec_server.url, plain_server.url], tmp_path / "lm_eval.json")["runs"]
+    )
     assert spec_server.loop.snapshot["verify_steps"] > 0  # the drafter really speculated
     assert plain_server.loop.snapshot["verify_steps"] == 0
     gen_on, gen_off = on["refengine_tiny_gen"], off["refengine_tiny_gen"]
@@ -62,5 +73,6 @@ def test_lm_eval_spec_on_equals_off(spec_server, plain_server, tmp_path):
         assert a["acc"] == b["acc"]
     for task in TASK_NAMES:
         r_on, r_off = on["results"][0][task], off["results"][0][task]
-        assert {k: v for k, v in r_on.items() if "stderr" not in k} == {k: v for k, v in r_off.items()
-                                                                           if "stderr" not in k}
+        assert {k: v for k, v in r_on.items() if "stderr" not in k} == {
+            k: v for k, v in r_off.items() if "stderr" not in k
+        }

@@ -4,6 +4,7 @@ the CLI with its flags.
 
 Run: python -m pytest -q tests/serve/test_loadtest.py
 """
+
 from __future__ import annotations
 
 import json
@@ -12,16 +13,37 @@ from refengine.cli import build_parser, main
 
 
 def test_serve_bench_reports_throughput(spec_server, capsys):
-    rc = main(["serve-bench", "--url", spec_server.url, "--concurrency", "4", "--max-tokens", "8",
-               "--requests", "8", "--duration", "30", "--timeout", "30"])
+    rc = main(
+        [
+            "serve-bench",
+            "--url",
+            spec_server.url,
+            "--concurrency",
+            "4",
+            "--max-tokens",
+            "8",
+            "--requests",
+            "8",
+            "--duration",
+            "30",
+            "--timeout",
+            "30",
+        ]
+    )
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and res["errors"] == 0 and res["requests"] == 8
     assert res["tokens"] > 0 and res["tok_per_s"] > 0 and res["requests_per_s"] > 0
 
 
 def test_serve_subcommand_flags():
-    args = build_parser().parse_args(["serve", "--port", "9000", "--no-draft", "--device", "cpu",
-                                      "--host", "127.0.0.1"])
+    args = build_parser().parse_args(
+        ["serve", "--port", "9000", "--no-draft", "--device", "cpu", "--host", "127.0.0.1"]
+    )
     assert (args.port, args.no_draft, args.device, args.model, args.dflash_draft_model_path) == (
-        9000, True, "cpu", None, None)
+        9000,
+        True,
+        "cpu",
+        None,
+        None,
+    )
     assert args.func.__name__ == "cmd_serve"

@@ -9,6 +9,7 @@ once; bad requests get 400 with an OpenAI error body (an internal failure 500) a
 
 Run: python -m pytest -q tests/serve/test_openai_client.py
 """
+
 from __future__ import annotations
 
 import http.client
@@ -24,8 +25,14 @@ from refengine import SamplingParams
 
 openai = pytest.importorskip("openai")
 
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
-           "# Parse the command line\n", "for i in range(10):", "def read_config(path):"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    "# Parse the command line\n",
+    "for i in range(10):",
+    "def read_config(path):",
+]
 TIMEOUT = 60.0
 DEFAULTS = dict(seed=1234, user="test", n=1, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})
 
@@ -79,6 +86,7 @@ def test_completions_equal_generate(spec_server, reference, detok):
 def test_chat_uses_template(spec_server, reference, detok):
     from conftest import FIXTURES
     from refengine.server.serve import chat_template_of
+
     assert "<|im_start|>" in chat_template_of(FIXTURES / "tiny-trained" / "target")
     c = client(spec_server)
     msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
@@ -94,8 +102,14 @@ def test_chat_uses_template(spec_server, reference, detok):
 def test_streaming_equals_generate(spec_server, reference, detok):
     c = client(spec_server)
     for p in PROMPTS[:3]:
-        stream = c.completions.create(model="tiny-trained", prompt=p, max_tokens=32, stream=True,
-                                      stream_options={"include_usage": True}, **DEFAULTS)
+        stream = c.completions.create(
+            model="tiny-trained",
+            prompt=p,
+            max_tokens=32,
+            stream=True,
+            stream_options={"include_usage": True},
+            **DEFAULTS,
+        )
         chunks = list(stream)
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
         want, req = generate_text(reference, detok, detok.encode(p), 32)
@@ -110,9 +124,9 @@ def test_stop_strings(spec_server, reference, detok):
     want, _ = generate_text(reference, detok, detok.encode(p), 40)
     assert "\n" in want
     out = c.completions.create(model="tiny-trained", prompt=p, max_tokens=40, stop=["\n"])
-    assert out.choices[0].text == want[:want.index("\n")] and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == want[: want.index("\n")] and out.choices[0].finish_reason == "stop"
     chunks = list(c.completions.create(model="tiny-trained", prompt=p, max_tokens=40, stop="\n", stream=True))
-    assert "".join(ch.choices[0].text for ch in chunks) == want[:want.index("\n")]
+    assert "".join(ch.choices[0].text for ch in chunks) == want[: want.index("\n")]
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_idle(spec_server)  # the stop string aborted the engine request: its KV is freed
 
@@ -130,8 +144,9 @@ def test_logprobs(spec_server, reference, detok):
         assert got == pytest.approx(top_lp[0], abs=1e-5) and tid == top_ids[0]
         assert len(tops) == 3 and max(tops.values()) == pytest.approx(top_lp[0], abs=1e-5)
     chunks = list(c.completions.create(model="tiny-trained", prompt=p, max_tokens=8, logprobs=3, stream=True))
-    streamed = [x for ch in chunks if ch.choices and ch.choices[0].logprobs
-                for x in ch.choices[0].logprobs.token_logprobs]
+    streamed = [
+        x for ch in chunks if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.token_logprobs
+    ]
     assert streamed == pytest.approx([top_lp[0] for _, top_lp in req.topk], abs=1e-5)
     msgs = [{"role": "user", "content": p}]
     chat = c.chat.completions.create(model="tiny-trained", messages=msgs, max_tokens=4, logprobs=True, top_logprobs=2)
@@ -165,8 +180,10 @@ def test_concurrent_clients_get_bs1_outputs(spec_server, reference, detok):
     def run(i):
         p, m = jobs[i]
         if i % 3 == 0:
-            got[i] = "".join(ch.choices[0].text for ch in c.completions.create(
-                model="tiny-trained", prompt=p, max_tokens=m, stream=True, **DEFAULTS))
+            got[i] = "".join(
+                ch.choices[0].text
+                for ch in c.completions.create(model="tiny-trained", prompt=p, max_tokens=m, stream=True, **DEFAULTS)
+            )
         else:
             got[i] = c.completions.create(model="tiny-trained", prompt=p, max_tokens=m, **DEFAULTS).choices[0].text
 
@@ -183,8 +200,12 @@ def test_disconnect_mid_stream_frees_kv(spec_server):
     wait_idle(spec_server)
     aborted_before = spec_server.loop.snapshot["finished"].get("aborted", 0)
     conn = http.client.HTTPConnection(spec_server.host, spec_server.port, timeout=TIMEOUT)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "def main():", "max_tokens": 3000, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "def main():", "max_tokens": 3000, "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     line = resp.readline()
@@ -206,8 +227,12 @@ def test_disconnect_mid_stream_frees_kv(spec_server):
 def test_disconnect_while_waiting_non_stream_frees_kv(spec_server):
     wait_idle(spec_server)
     conn = http.client.HTTPConnection(spec_server.host, spec_server.port, timeout=TIMEOUT)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "def main():", "max_tokens": 3000}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "def main():", "max_tokens": 3000}),
+        {"Content-Type": "application/json"},
+    )
     deadline = time.monotonic() + 10
     while spec_server.loop.snapshot["kv_blocks_used"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -216,18 +241,21 @@ def test_disconnect_while_waiting_non_stream_frees_kv(spec_server):
     wait_idle(spec_server, timeout=15.0)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": 0.7}, "temperature"),
-    ({"prompt": "x", "n": 2}, "n"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logprobs": 1000}, "logprobs"),
-    ({"prompt": [1, 2, 999999]}, "prompt"),
-    ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
-    ({"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": 0.7}, "temperature"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+        ({"prompt": "x", "logprobs": 1000}, "logprobs"),
+        ({"prompt": [1, 2, 999999]}, "prompt"),
+        ({"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_bad_requests_get_400(spec_server, body, param):
     status, out = post(spec_server, "/v1/completions", body)
     assert status == 400, out
@@ -274,6 +302,14 @@ def test_models_health_metrics(spec_server):
         assert r.status == 200
     with urllib.request.urlopen(spec_server.url + "/metrics", timeout=TIMEOUT) as r:
         text = r.read().decode()
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free", "spec_tau",
-                 "spec_accepted_length_bucket", "draft_seconds_total", "verify_seconds_total"):
+    for name in (
+        "requests_running",
+        "requests_waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "spec_tau",
+        "spec_accepted_length_bucket",
+        "draft_seconds_total",
+        "verify_seconds_total",
+    ):
         assert f"refengine_{name}" in text, name

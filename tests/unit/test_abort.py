@@ -5,6 +5,7 @@ the integrity cross-check holds after every step and the pool drains to fully fr
 
 Run: python -m pytest -q tests/unit/test_abort.py
 """
+
 from __future__ import annotations
 
 from refengine import FinishReason, RequestStatus, SamplingParams
@@ -12,7 +13,7 @@ from tests.adapter import assert_same_tokens, cpu_engine, greedy
 
 PROMPTS = [[5, 9, 13, 2, 7] * 3, [101, 7, 8] * 6, [3] * 16, [44, 45, 46, 47] * 8, [9, 8, 7, 6, 5, 4, 3]]
 BUDGETS = [30, 20, 40, 25, 17]
-LOGPROBS = [0, 2, 0, 0, 0]   # request 1 is ineligible (plain decode), the others speculate
+LOGPROBS = [0, 2, 0, 0, 0]  # request 1 is ineligible (plain decode), the others speculate
 
 
 def _free(engine) -> int:
@@ -22,8 +23,10 @@ def _free(engine) -> int:
 def test_abort_waiting_running_plain_and_speculating(random_pair):
     ref = [greedy(cpu_engine(random_pair.target, max_num_seqs=1), [p], m)[0] for p, m in zip(PROMPTS, BUDGETS)]
     engine = cpu_engine(random_pair.target, random_pair.draft, max_num_seqs=3, num_blocks=24)
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=lp))
-            for p, m, lp in zip(PROMPTS[:4], BUDGETS[:4], LOGPROBS[:4])]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True, logprobs=lp))
+        for p, m, lp in zip(PROMPTS[:4], BUDGETS[:4], LOGPROBS[:4])
+    ]
     engine.step()  # prefill of 0, 1, 2; request 3 waits (max_num_seqs=3)
     engine.check_integrity()
     waiting = reqs[3]

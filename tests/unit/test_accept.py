@@ -3,6 +3,7 @@ EOS truncation inside the committed run).
 
 Run: pytest tests/unit/test_accept.py
 """
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ and that EngineConfig refuses a profile (bench-only).
 
 Run: python -m pytest tests/unit/test_adaptive.py -q
 """
+
 from __future__ import annotations
 
 import random
@@ -62,16 +63,26 @@ def test_policy_learns_acceptance_and_costs():
     for _ in range(100):
         spans = pol.choose([0, 1], [500, 500])
         for rid, s in zip([0, 1], spans):
-            pol.observe_acceptance(rid, s, 0)   # tau 1: nothing is ever accepted
+            pol.observe_acceptance(rid, s, 0)  # tau 1: nothing is ever accepted
         pol.observe_step(2, sum(spans), sum(s > 1 for s in spans), 3e-3 if max(spans) > 1 else 0.0, 10e-3)
-    assert pol.alpha(0) < 0.2   # a few exploration steps only (plain wins), each a rejection
+    assert pol.alpha(0) < 0.2  # a few exploration steps only (plain wins), each a rejection
     assert pol.choose([0, 1], [500, 500]) in ([1, 1], [B, B])  # plain, or an exploration step
     s = pol.summary()
     assert s["decisions"] == 101 and s["chosen_cap_hist"].get("1", 0) > 90 and s["explored"] <= 8, s
 
 
-@pytest.mark.parametrize("name,tau", [("tau6.5", 6.5), ("tau1.3", 1.3), ("tau3", 3.0), ("gsm8k", 6.5),
-                                      ("humaneval", 6.6), ("sharegpt", 2.29), ("geom0", 1.0)])
+@pytest.mark.parametrize(
+    "name,tau",
+    [
+        ("tau6.5", 6.5),
+        ("tau1.3", 1.3),
+        ("tau3", 3.0),
+        ("gsm8k", 6.5),
+        ("humaneval", 6.6),
+        ("sharegpt", 2.29),
+        ("geom0", 1.0),
+    ],
+)
 def test_profiles_have_their_published_mean(name, tau):
     p = parse_profile(name)
     assert abs(p.tau - tau) < 0.01, (name, p.tau)
@@ -109,6 +120,6 @@ def test_padded_verify_graph_costs():
 def test_plain_steps_feed_the_plain_curve():
     m = CostModel()
     for _ in range(30):
-        m.observe(8, 8, 0, 0.0, 4e-3)          # all span 1: plain decode
-        m.observe(8, 128, 8, 2e-3, 9e-3)       # full spans
+        m.observe(8, 8, 0, 0.0, 4e-3)  # all span 1: plain decode
+        m.observe(8, 128, 8, 2e-3, 9e-3)  # full spans
     assert abs(m.plain_s(8) - 4e-3) < 5e-4 and abs(m.verify_s(8, 128) - 9e-3) < 5e-4, (m.plain.theta, m.verify.theta)

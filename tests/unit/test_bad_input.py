@@ -5,6 +5,7 @@ serving everyone else.
 
 Run: pytest tests/unit/test_bad_input.py
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,9 @@ def test_misshaped_tensor_names_expected_and_actual(pair_copy):
 
 def test_misnamed_tensor_is_reported(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.__setitem__("model.layers.0.mlp.gate.weight",
-                                               ts.pop("model.layers.0.mlp.gate_proj.weight")))
+    _edit_tensors(
+        t, lambda ts: ts.__setitem__("model.layers.0.mlp.gate.weight", ts.pop("model.layers.0.mlp.gate_proj.weight"))
+    )
     with pytest.raises(CheckpointError, match="gate_proj"):
         cpu_engine(t)
 

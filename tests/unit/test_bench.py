@@ -5,6 +5,7 @@ row and reproduces the profile's tau, the bundled prompt sets, and the HF peer r
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,20 @@ from refengine.defaults import RANDOM_PAIR, TRAINED_PAIR
 
 QUICK = ["bench", "--device", "cpu", "--concurrency", "1,2", "--prompt-len", "8", "--repeats", "1"]
 RANDOM = ["--target", str(RANDOM_PAIR / "target"), "--draft", str(RANDOM_PAIR / "draft")]
-COMMON = {"mode", "acceptance", "concurrency", "tokens", "seconds", "tok_per_s", "per_request_tok_per_s",
-          "memory_bound_floor_tok_per_s", "x_plain_floor", "repeats", "tok_per_s_min", "tok_per_s_max"}
+COMMON = {
+    "mode",
+    "acceptance",
+    "concurrency",
+    "tokens",
+    "seconds",
+    "tok_per_s",
+    "per_request_tok_per_s",
+    "memory_bound_floor_tok_per_s",
+    "x_plain_floor",
+    "repeats",
+    "tok_per_s_min",
+    "tok_per_s_max",
+}
 ENGINE = COMMON | {"host_ms_per_step", "steps"}
 SPEC = ENGINE | {"tau", "draft_ms_per_step", "verify_ms_per_step", "x_own_ideal", "accepted_hist", "span_hist"}
 
@@ -36,8 +49,9 @@ def test_bench_json_shape(capsys, tmp_path):
     assert rc == 0, err
     assert json.loads(path.read_text()) == res
     rows = res["rows"]
-    assert {(r["mode"], r["concurrency"]) for r in rows} == {(m, c) for m in ("plain", "dflash", "adaptive")
-                                                             for c in (1, 2)}
+    assert {(r["mode"], r["concurrency"]) for r in rows} == {
+        (m, c) for m in ("plain", "dflash", "adaptive") for c in (1, 2)
+    }
     for r in rows:
         want = ENGINE if r["mode"] == "plain" else SPEC
         assert want <= set(r), f"{r['mode']} row lacks {sorted(want - set(r))}"
@@ -57,8 +71,18 @@ def test_bench_fails_loudly_when_a_request_is_rejected(capsys):
 def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):
     # tau2.5: every step accepts 1 or 2 drafts (half each). 2 requests x 60 tokens make ~47 draws; spans are
     # never truncated below 3 except on the last step, so the measured tau is within 0.3 of 2.5.
-    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "60", "--concurrency", "2",
-                          "--modes", "plain,dflash", "--acceptance-profile", "tau2.5")
+    rc, res, err = _bench(
+        capsys,
+        *RANDOM,
+        "--output-tokens",
+        "60",
+        "--concurrency",
+        "2",
+        "--modes",
+        "plain,dflash",
+        "--acceptance-profile",
+        "tau2.5",
+    )
     assert rc == 0, err
     assert res["profiles"]["tau2.5"]["tau"] == 2.5
     spec = [r for r in res["rows"] if r["mode"] != "plain"]
@@ -80,8 +104,9 @@ def test_bundled_prompt_sets():
 
 def test_bench_hf_peer_row(capsys):
     pytest.importorskip("transformers")
-    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "4", "--concurrency", "2", "--modes", "plain",
-                          "--peer", "hf")
+    rc, res, err = _bench(
+        capsys, *RANDOM, "--output-tokens", "4", "--concurrency", "2", "--modes", "plain", "--peer", "hf"
+    )
     assert rc == 0, err
     (hf,) = [r for r in res["rows"] if r["mode"] == "hf"]
     assert hf["peer"].startswith("hf eager") and hf["tokens"] == 8 and COMMON <= set(hf)
@@ -89,6 +114,7 @@ def test_bench_hf_peer_row(capsys):
 
 def test_bench_plot_needs_matplotlib_or_writes_the_file(capsys, tmp_path):
     import importlib.util
+
     path = tmp_path / "bench.png"
     rc, _, err = _bench(capsys, *RANDOM, "--output-tokens", "3", "--concurrency", "1", "--plot", str(path))
     if importlib.util.find_spec("matplotlib") is None:

@@ -7,6 +7,7 @@ tokenizer fails with exit code 2 and a message saying what to pass instead.
 
 Run: python -m pytest tests/unit/test_cli.py -q
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def test_generate_default_pair_accepts_and_is_lossless(capsys):
     assert "tau" not in plain_stats
     if plain_text != text:
         at = len(os.path.commonprefix([plain_text, text]))
-        pytest.fail(f"DFlash text differs from plain greedy at character {at}: "
-                    f"plain {plain_text[at:at + 60]!r} vs dflash {text[at:at + 60]!r}")
+        pytest.fail(
+            f"DFlash text differs from plain greedy at character {at}: "
+            f"plain {plain_text[at : at + 60]!r} vs dflash {text[at : at + 60]!r}"
+        )
 
 
 def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):

@@ -6,6 +6,7 @@ budget, instead of printing 0 tok/s; a RefEngineError from `refengine memory` re
 
 Run: python -m pytest -q tests/unit/test_cli_errors.py
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,11 +33,14 @@ def _fails(capsys, *argv: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("value,message", [
-    ("2,0", "argument --concurrency: concurrency 0 in '2,0': each must be >= 1"),
-    ("a,b", "argument --concurrency: 'a,b' is not a comma-separated list of integers"),
-    ("", "argument --concurrency: '' is not a comma-separated list of integers"),
-])
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        ("2,0", "argument --concurrency: concurrency 0 in '2,0': each must be >= 1"),
+        ("a,b", "argument --concurrency: 'a,b' is not a comma-separated list of integers"),
+        ("", "argument --concurrency: '' is not a comma-separated list of integers"),
+    ],
+)
 def test_bench_concurrency_is_validated(capsys, value, message):
     err = _fails(capsys, "bench", "--device", "cpu", "--concurrency", value)
     assert err.startswith("refengine bench: error: ") and message in err, err
@@ -48,10 +52,23 @@ def test_bench_lengths_are_validated(capsys):
 
 
 def test_bench_fails_when_every_request_is_rejected(capsys):
-    err = _fails(capsys, "bench", "--device", "cpu", "--target", str(RANDOM_PAIR / "target"), "--concurrency", "1",
-                 "--prompt-len", "5000", "--output-tokens", "4")
-    assert err.startswith("refengine: InvalidRequestError: bench request 0 rejected (context_length): "
-                          "prompt 5000 + max_tokens "), err
+    err = _fails(
+        capsys,
+        "bench",
+        "--device",
+        "cpu",
+        "--target",
+        str(RANDOM_PAIR / "target"),
+        "--concurrency",
+        "1",
+        "--prompt-len",
+        "5000",
+        "--output-tokens",
+        "4",
+    )
+    assert err.startswith(
+        "refengine: InvalidRequestError: bench request 0 rejected (context_length): prompt 5000 + max_tokens "
+    ), err
 
 
 def test_bench_row_that_ran_short_is_an_error():

@@ -6,6 +6,7 @@ configs still parse, including integer rope_theta and transformers 5's rope_para
 
 Run: pytest -q tests/unit/test_config_fields.py
 """
+
 from __future__ import annotations
 
 import json
@@ -33,30 +34,34 @@ def _expect(f, field, value) -> str:
     return re.escape(f"config {f}: field {field!r} is {value!r}")
 
 
-@pytest.mark.parametrize("field,value,expected", [
-    ("num_hidden_layers", "4", "an integer >= 1"),
-    ("num_hidden_layers", 4.0, "an integer >= 1"),
-    ("hidden_size", True, "an integer >= 1"),
-    ("vocab_size", -5, "an integer >= 1"),
-    ("num_key_value_heads", 0, "an integer >= 1"),       # was silently replaced by num_attention_heads
-    ("head_dim", 128.5, "an integer >= 1"),
-    ("intermediate_size", [512], "an integer >= 1"),
-    ("max_position_embeddings", "2048", "an integer >= 1"),
-    ("rms_norm_eps", "1e-6", "a finite number > 0"),
-    ("rms_norm_eps", 0, "a finite number > 0"),
-    ("rope_theta", -1.0, "a finite number > 0"),
-    ("rope_theta", float("inf"), "a finite number > 0"),
-    ("tie_word_embeddings", "false", "true or false"),    # bool("false") was True
-    ("attention_bias", "false", "true or false"),         # was 'attention_bias=true is not Qwen3'
-    ("use_sliding_window", 0, "true or false"),
-    ("eos_token_id", "2", "a token id >= 0, a list of them, or null"),
-    ("eos_token_id", [2, 3.0], "a token id >= 0, a list of them, or null"),
-    ("eos_token_id", -1, "a token id >= 0, a list of them, or null"),
-])
+@pytest.mark.parametrize(
+    "field,value,expected",
+    [
+        ("num_hidden_layers", "4", "an integer >= 1"),
+        ("num_hidden_layers", 4.0, "an integer >= 1"),
+        ("hidden_size", True, "an integer >= 1"),
+        ("vocab_size", -5, "an integer >= 1"),
+        ("num_key_value_heads", 0, "an integer >= 1"),  # was silently replaced by num_attention_heads
+        ("head_dim", 128.5, "an integer >= 1"),
+        ("intermediate_size", [512], "an integer >= 1"),
+        ("max_position_embeddings", "2048", "an integer >= 1"),
+        ("rms_norm_eps", "1e-6", "a finite number > 0"),
+        ("rms_norm_eps", 0, "a finite number > 0"),
+        ("rope_theta", -1.0, "a finite number > 0"),
+        ("rope_theta", float("inf"), "a finite number > 0"),
+        ("tie_word_embeddings", "false", "true or false"),  # bool("false") was True
+        ("attention_bias", "false", "true or false"),  # was 'attention_bias=true is not Qwen3'
+        ("use_sliding_window", 0, "true or false"),
+        ("eos_token_id", "2", "a token id >= 0, a list of them, or null"),
+        ("eos_token_id", [2, 3.0], "a token id >= 0, a list of them, or null"),
+        ("eos_token_id", -1, "a token id >= 0, a list of them, or null"),
+    ],
+)
 def test_target_field_of_wrong_type_or_range_names_file_field_and_value(tmp_path, field, value, expected):
     f = _write(tmp_path, dict(target_config(), **{field: value}))
-    with pytest.raises(CheckpointError, match=_expect(f, field, value) + r" \(a JSON \w+\), expected " +
-                       re.escape(expected)):
+    with pytest.raises(
+        CheckpointError, match=_expect(f, field, value) + r" \(a JSON \w+\), expected " + re.escape(expected)
+    ):
         ModelConfig.from_hf(read_config_json(tmp_path))
 
 
@@ -64,16 +69,19 @@ def test_missing_required_field_names_the_file(tmp_path):
     cfg = target_config()
     del cfg["max_position_embeddings"]
     f = _write(tmp_path, cfg)
-    with pytest.raises(CheckpointError, match=re.escape(f"target config {f}: lacks required field "
-                                                        f"'max_position_embeddings'")):
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"target config {f}: lacks required field 'max_position_embeddings'")
+    ):
         ModelConfig.from_hf(read_config_json(tmp_path))
 
 
 @pytest.mark.parametrize("text,kind", [("[1, 2, 3]", "list"), ('"qwen3"', "string"), ("null", "null")])
 def test_config_json_that_is_not_an_object(tmp_path, text, kind):
     (tmp_path / "config.json").write_text(text)
-    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / 'config.json'}: config.json must hold a "
-                                                        f"JSON object {{...}}, got a JSON {kind}")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{tmp_path / 'config.json'}: config.json must hold a JSON object {{...}}, got a JSON {kind}"),
+    ):
         read_config_json(tmp_path)
     with pytest.raises(CheckpointError, match=f"target config.json must be a JSON object, got a JSON {kind}"):
         ModelConfig.from_hf(json.loads(text))
@@ -88,19 +96,30 @@ def test_engine_load_reports_a_string_layer_count(tmp_path, random_pair):
         cpu_engine(t)
 
 
-@pytest.mark.parametrize("edit,field,value", [
-    (lambda c: c.__setitem__("block_size", "16"), "block_size", "16"),                  # int("16") was accepted
-    (lambda c: c.__setitem__("block_size", 16.0), "block_size", 16.0),
-    (lambda c: c.__setitem__("block_size", -4), "block_size", -4),
-    (lambda c: c["dflash_config"].__setitem__("mask_token_id", 3.5), "dflash_config.mask_token_id", 3.5),
-    (lambda c: c["dflash_config"].__setitem__("mask_token_id", -1), "dflash_config.mask_token_id", -1),
-    (lambda c: c["dflash_config"].__setitem__("target_layer_ids", "1,2"), "dflash_config.target_layer_ids", "1,2"),
-    (lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, -2]), "dflash_config.target_layer_ids[1]", -2),
-    (lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, True]), "dflash_config.target_layer_ids[1]",
-     True),
-    (lambda c: c.__setitem__("num_target_layers", "4"), "num_target_layers", "4"),
-    (lambda c: c.__setitem__("dflash_config", [1]), "dflash_config", [1]),
-], ids=lambda x: None if callable(x) else repr(x))
+@pytest.mark.parametrize(
+    "edit,field,value",
+    [
+        (lambda c: c.__setitem__("block_size", "16"), "block_size", "16"),  # int("16") was accepted
+        (lambda c: c.__setitem__("block_size", 16.0), "block_size", 16.0),
+        (lambda c: c.__setitem__("block_size", -4), "block_size", -4),
+        (lambda c: c["dflash_config"].__setitem__("mask_token_id", 3.5), "dflash_config.mask_token_id", 3.5),
+        (lambda c: c["dflash_config"].__setitem__("mask_token_id", -1), "dflash_config.mask_token_id", -1),
+        (lambda c: c["dflash_config"].__setitem__("target_layer_ids", "1,2"), "dflash_config.target_layer_ids", "1,2"),
+        (
+            lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, -2]),
+            "dflash_config.target_layer_ids[1]",
+            -2,
+        ),
+        (
+            lambda c: c["dflash_config"].__setitem__("target_layer_ids", [1, True]),
+            "dflash_config.target_layer_ids[1]",
+            True,
+        ),
+        (lambda c: c.__setitem__("num_target_layers", "4"), "num_target_layers", "4"),
+        (lambda c: c.__setitem__("dflash_config", [1]), "dflash_config", [1]),
+    ],
+    ids=lambda x: None if callable(x) else repr(x),
+)
 def test_drafter_field_of_wrong_type_or_range_names_file_field_and_value(tmp_path, edit, field, value):
     cfg = draft_config(target_config())
     edit(cfg)

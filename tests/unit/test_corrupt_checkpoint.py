@@ -5,6 +5,7 @@ lm_head.weight. Tied checkpoints that store an lm_head copy still load (as HF: t
 
 Run: pytest -q tests/unit/test_corrupt_checkpoint.py
 """
+
 from __future__ import annotations
 
 import json
@@ -78,10 +79,14 @@ def test_non_finite_target_weight_is_refused_with_its_name(pair_copy, bad):
 
     def poison(ts):
         ts[name][3, 5] = bad
+
     _edit_tensors(t, poison)
     nan, inf = (1, 0) if bad != bad else (0, 1)
-    with pytest.raises(CheckpointError, match=rf"model\.safetensors: tensor '{re.escape(name)}' holds {nan} NaN "
-                                              rf"and {inf} Inf values of 131072; refusing"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"model\.safetensors: tensor '{re.escape(name)}' holds {nan} NaN "
+        rf"and {inf} Inf values of 131072; refusing",
+    ):
         cpu_engine(t)
 
 
@@ -96,8 +101,11 @@ def test_overflow_in_dtype_conversion_is_named(pair_copy):
     t, _ = pair_copy
     _edit_tensors(t, lambda ts: ts["model.norm.weight"].__setitem__(0, 1e6))  # fine in bf16, Inf in fp16
     assert isinstance(Qwen3Model.load(t, dtype=torch.float32), Qwen3Model)
-    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' holds 0 NaN and 1 Inf values of 256 after "
-                                              r"conversion from torch\.bfloat16 to torch\.float16"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.norm\.weight' holds 0 NaN and 1 Inf values of 256 after "
+        r"conversion from torch\.bfloat16 to torch\.float16",
+    ):
         Qwen3Model.load(t, dtype=torch.float16)
 
 
@@ -111,9 +119,13 @@ def test_integer_weight_is_refused(pair_copy):
 def test_untied_config_without_lm_head_is_refused(tmp_path):
     t, _ = build_random_pair(tmp_path / "p", seed=2, tied=False)
     _edit_tensors(t, lambda ts: ts.pop("lm_head.weight"))
-    with pytest.raises(CheckpointError, match=re.escape(
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(
             f"checkpoint {t}: config.json has tie_word_embeddings false but no tensor 'lm_head.weight' "
-            f"(expected shape [1024, 256])")):
+            f"(expected shape [1024, 256])"
+        ),
+    ):
         cpu_engine(t)
     cfg = json.loads((t / "config.json").read_text())
     del cfg["tie_word_embeddings"]  # HF's Qwen3 default is untied

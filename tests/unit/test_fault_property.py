@@ -8,6 +8,7 @@ commit errors nobody, and every other request equals its bs=1 greedy output toke
 
 Run: python -m pytest -q tests/unit/test_fault_property.py
 """
+
 from __future__ import annotations
 
 import random
@@ -21,7 +22,7 @@ from tests.faults import POINTS, FaultInjector
 
 LENGTHS = (15, 16, 17, 31, 32, 33)
 MAX_TOKENS = 40
-_REFS: dict[int, list[int]] = {}   # prompt length -> bs=1 greedy output for MAX_TOKENS (token ids only)
+_REFS: dict[int, list[int]] = {}  # prompt length -> bs=1 greedy output for MAX_TOKENS (token ids only)
 
 
 def _prompt(length: int) -> list[int]:
@@ -31,8 +32,7 @@ def _prompt(length: int) -> list[int]:
 
 def _ref(pair, length: int) -> list[int]:
     if length not in _REFS:  # greedy with ignore_eos: the output for a budget m is the first m tokens
-        _REFS[length] = greedy(cpu_engine(pair.target, max_num_seqs=1, num_blocks=8), [_prompt(length)],
-                               MAX_TOKENS)[0]
+        _REFS[length] = greedy(cpu_engine(pair.target, max_num_seqs=1, num_blocks=8), [_prompt(length)], MAX_TOKENS)[0]
     return _REFS[length]
 
 
@@ -40,8 +40,13 @@ request = st.tuples(st.sampled_from(LENGTHS), st.integers(1, MAX_TOKENS), st.boo
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(reqs=st.lists(request, min_size=1, max_size=5), point=st.sampled_from(POINTS), at=st.integers(0, 6),
-       times=st.sampled_from([1, 1, 2, 50]), after=st.booleans())
+@given(
+    reqs=st.lists(request, min_size=1, max_size=5),
+    point=st.sampled_from(POINTS),
+    at=st.integers(0, 6),
+    times=st.sampled_from([1, 1, 2, 50]),
+    after=st.booleans(),
+)
 def test_faults_never_kill_the_engine_or_touch_other_requests(random_pair, reqs, point, at, times, after):
     engine = cpu_engine(random_pair.target, random_pair.draft, max_num_seqs=3, num_blocks=16)
     inj = FaultInjector(engine, point, at=at, times=times, after=after)
@@ -65,5 +70,5 @@ def test_faults_never_kill_the_engine_or_touch_other_requests(random_pair, reqs,
     for r, length in submitted:
         if r.finish_reason is not FinishReason.ERROR:
             assert r.finish_reason is FinishReason.LENGTH, (r.request_id, r.finish_reason, r.message)
-            want = _ref(random_pair, length)[:r.params.max_tokens]
+            want = _ref(random_pair, length)[: r.params.max_tokens]
             assert_same_tokens(r.output_ids, want, f"request {r.request_id} (prompt {length}, fault at {point})")

@@ -6,6 +6,7 @@ one; with the rule switched off (test-only) the same run diverges, as upstream's
 
 Run: pytest tests/unit/test_graphs.py        (the same checks on CUDA: tests/gpu/test_gpu_graphs.py)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,10 @@ def test_layout_packs_real_rows_then_padding_on_dummy_pages(random_pair):
     assert batch.q_lens == [B, 3, 1, 1] and batch.kv_lens == [5 + B, 17 + 3, 1, 1]
     assert batch.block_tables[2:] == [pool.dummy_blocks] * 2
     real = B + 3
-    assert inputs[2, :real].tolist() == pool.slots(reqs[0].request_id, 5, 5 + B).tolist() + \
-        pool.slots(reqs[1].request_id, 17, 20).tolist()
+    assert (
+        inputs[2, :real].tolist()
+        == pool.slots(reqs[0].request_id, 5, 5 + B).tolist() + pool.slots(reqs[1].request_id, 17, 20).tolist()
+    )
     assert set(inputs[2, real:].tolist()) <= dummy, "padding rows must write only to the dummy pages"
     assert inputs.shape[1] == 4 * B
 
@@ -53,11 +56,15 @@ def test_graph_modes_lossless_staggered_budgets(model_pair, mode):
     want = greedy(cpu_engine(model_pair.target), prompts, budgets)
     for draft in (None, model_pair.draft):
         engine = cpu_engine(model_pair.target, draft, graph_mode=mode, max_num_seqs=8)
-        reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
-                for p, m in zip(prompts[:3], budgets[:3])]
+        reqs = [
+            engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+            for p, m in zip(prompts[:3], budgets[:3])
+        ]
         engine.step()
-        reqs += [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))  # arrive mid-run
-                 for p, m in zip(prompts[3:], budgets[3:])]
+        reqs += [
+            engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))  # arrive mid-run
+            for p, m in zip(prompts[3:], budgets[3:])
+        ]
         while engine.has_work():
             engine.step()
             engine.check_integrity()

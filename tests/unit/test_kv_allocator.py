@@ -3,6 +3,7 @@
 
 Run: pytest tests/unit/test_kv_allocator.py
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,9 @@ from hypothesis import strategies as st
 from refengine.errors import IntegrityError, KvAllocationError
 from refengine.kv import BlockAllocator, KvPool
 
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "free_tail", "free_req"]), st.integers(0, 4),
-                         st.integers(0, 6)), max_size=60)
+ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "free_tail", "free_req"]), st.integers(0, 4), st.integers(0, 6)), max_size=60
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -36,7 +38,7 @@ def test_allocator_integrity_under_random_ops(num_blocks, ops):
                 with pytest.raises(KvAllocationError):
                     a.free_tail(req, n)
             else:
-                tail = a.table(req)[len(a.table(req)) - n:]
+                tail = a.table(req)[len(a.table(req)) - n :]
                 a.free_tail(req, n)
                 assert a.num_free == before_free + n
                 if n:  # LIFO: the freed tail is what the next allocation hands out first
@@ -59,8 +61,15 @@ def test_integrity_check_detects_double_ownership():
 
 
 def _pool(blocks=8, page=4):
-    return KvPool(num_layers=1, num_blocks=blocks, page_size=page, num_kv_heads=1, head_dim=2,
-                  dtype=torch.float32, device=torch.device("cpu"))
+    return KvPool(
+        num_layers=1,
+        num_blocks=blocks,
+        page_size=page,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -105,7 +114,7 @@ def test_schedule_speculative_is_all_or_nothing():
 def test_admission_respects_outstanding_promises():
     pool = _pool(blocks=4, page=4)
     assert pool.can_admit(16)
-    pool.admit(0, 12)        # promises 3 blocks, allocates none yet
+    pool.admit(0, 12)  # promises 3 blocks, allocates none yet
     assert pool.can_admit(4) and not pool.can_admit(5)
     pool.release(0)
     assert pool.can_admit(16)

@@ -6,6 +6,7 @@ read-out), hand the measurement to the planner, and put the bytes held outside t
 
 Run: pytest tests/unit/test_planning.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,16 +21,25 @@ from refengine.memory.planner import DeviceMemory
 from refengine.models.qwen3 import Qwen3Model
 
 
-@pytest.mark.parametrize("max_prefill_tokens,max_num_seqs,block_size,expected_rows", [
-    (64, 4, 16, 2032),      # one prompt of the whole context (2048 - 16), admitted alone past the chunk
-    (4096, 4, 16, 4096),    # a prefill chunk longer than the context: several requests, none past its window
-    (64, 300, 16, 4800),    # every running request's verify span
-    (64, 300, 32, 9600)])   # ... at the drafter's own block size, not a hard-coded 16
-def test_plan_device_pool_profiles_the_worst_forward(random_pair, monkeypatch, max_prefill_tokens, max_num_seqs,
-                                                     block_size, expected_rows):
+@pytest.mark.parametrize(
+    "max_prefill_tokens,max_num_seqs,block_size,expected_rows",
+    [
+        (64, 4, 16, 2032),  # one prompt of the whole context (2048 - 16), admitted alone past the chunk
+        (4096, 4, 16, 4096),  # a prefill chunk longer than the context: several requests, none past its window
+        (64, 300, 16, 4800),  # every running request's verify span
+        (64, 300, 32, 9600),
+    ],
+)  # ... at the drafter's own block size, not a hard-coded 16
+def test_plan_device_pool_profiles_the_worst_forward(
+    random_pair, monkeypatch, max_prefill_tokens, max_num_seqs, block_size, expected_rows
+):
     target = Qwen3Model.load(random_pair.target)
-    config = EngineConfig(str(random_pair.target), draft_path=str(random_pair.draft),
-                          max_prefill_tokens=max_prefill_tokens, max_num_seqs=max_num_seqs)
+    config = EngineConfig(
+        str(random_pair.target),
+        draft_path=str(random_pair.draft),
+        max_prefill_tokens=max_prefill_tokens,
+        max_num_seqs=max_num_seqs,
+    )
     draft_cfg = dataclasses.replace(DFlashConfig.from_hf(read_config_json(random_pair.draft)), block_size=block_size)
     context = max_context_tokens(target.cfg, draft_cfg)
     ran = {}
@@ -40,6 +50,7 @@ def test_plan_device_pool_profiles_the_worst_forward(random_pair, monkeypatch, m
         def spy(ids, batch, *a, **k):
             ran["rows"], ran["capture"] = ids.shape[0], a[2] if len(a) > 2 else k.get("capture_layers")
             return forward(ids, batch, *a, **k)
+
         monkeypatch.setattr(target, "forward", spy)
         step()
         monkeypatch.setattr(target, "forward", forward)

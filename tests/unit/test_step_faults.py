@@ -8,6 +8,7 @@ other request produces exactly its bs=1 output, new requests are served, integri
 
 Run: python -m pytest -q tests/unit/test_step_faults.py
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,7 +69,7 @@ def test_decode_fault_twice_finishes_the_step_with_error_others_go_on(random_pai
     engine = _engine(random_pair)
     inj = FaultInjector(engine, "decode", at=1, times=2)
     plain = [_add(engine, i, logprobs=2) for i in (0, 1)]  # ineligible: decode plans
-    spec = _add(engine, 2)                                   # speculating: verify plans, untouched
+    spec = _add(engine, 2)  # speculating: verify plans, untouched
     _drain(engine)
     assert inj.fired == 2
     for r in plain:
@@ -142,6 +143,7 @@ def test_malformed_result_is_a_failed_step(random_pair, refs):
         res = execute(plan)
         calls.append(plan)
         return StepResult([[]] + res.argmax[1:], res.topk) if len(calls) in (2, 3) else res
+
     engine.runner.execute = short_result
     reqs = [_add(engine, 0), _add(engine, 1)]
     _drain(engine)
@@ -159,6 +161,7 @@ def test_drafter_context_allocation_failure_at_admission(random_pair, refs):
         if len(calls) == 2:
             raise MemoryError(f"no memory for a drafter context of {capacity} rows")
         start(req_id, capacity)
+
     engine.proposer.start_request = flaky
     reqs = [_add(engine, 0), _add(engine, 1)]
     assert engine.step() == [] and [r.request_id for r in engine.scheduler.waiting] == [0, 1]
@@ -179,8 +182,10 @@ def test_check_integrity_names_each_disagreement(random_pair):
         (lambda e, a, b: e.scheduler.waiting.append(a), "a request is queued twice"),
         (lambda e, a, b: e.pool.admit(b.request_id, 20), "KV pool holds requests [1] that are not running"),
         (lambda e, a, b: e.pool.lifetime_blocks.update({7: 1}), "lifetime promises for requests [0, 7]"),
-        (lambda e, a, b: e.proposer.stage_features(a.request_id, 15, None),
-         "proposer holds staged features for requests [0] between steps"),
+        (
+            lambda e, a, b: e.proposer.stage_features(a.request_id, 15, None),
+            "proposer holds staged features for requests [0] between steps",
+        ),
         (lambda e, a, b: e.proposer.start_request(b.request_id, 40), "proposer holds requests [0, 1]"),
     ]
     for how, message in cases:

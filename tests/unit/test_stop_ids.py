@@ -6,6 +6,7 @@ read_stop_ids says. Broken generation_config.json files are a CheckpointError na
 
 Run: pytest -q tests/unit/test_stop_ids.py
 """
+
 from __future__ import annotations
 
 import json
@@ -42,16 +43,20 @@ def _stop_ids(d):
     return read_stop_ids(d, ModelConfig.from_hf(read_config_json(d)))
 
 
-@pytest.mark.parametrize("config_eos,generation", [
-    (2, None),                                   # no generation_config.json: config.json's id
-    ([2, 5], None),
-    (None, None),
-    (2, {"eos_token_id": [7, 3]}),               # real Qwen3 checkpoints: two ids here, one in config.json
-    (2, {"eos_token_id": 9}),
-    (2, {"eos_token_id": [4, 4]}),
-    (2, {}),                                     # the file exists without eos: HF stops on nothing
-    (2, {"eos_token_id": None, "do_sample": False}),
-], ids=lambda x: json.dumps(x))
+@pytest.mark.parametrize(
+    "config_eos,generation",
+    [
+        (2, None),  # no generation_config.json: config.json's id
+        ([2, 5], None),
+        (None, None),
+        (2, {"eos_token_id": [7, 3]}),  # real Qwen3 checkpoints: two ids here, one in config.json
+        (2, {"eos_token_id": 9}),
+        (2, {"eos_token_id": [4, 4]}),
+        (2, {}),  # the file exists without eos: HF stops on nothing
+        (2, {"eos_token_id": None, "do_sample": False}),
+    ],
+    ids=lambda x: json.dumps(x),
+)
 def test_read_stop_ids_matches_transformers_resolution(tmp_path, random_pair, config_eos, generation):
     d = _checkpoint(tmp_path, random_pair, "ckpt", config_eos, generation)
     hf = AutoModelForCausalLM.from_pretrained(d, local_files_only=True).generation_config.eos_token_id
@@ -78,27 +83,31 @@ def test_hf_generate_and_golden_greedy_stop_where_read_stop_ids_says(tmp_path, r
         model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, attn_implementation="eager")
         with torch.inference_mode():
             out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        assert out[0, len(PROMPT):].tolist() == free[:stop_at + 1], f"{name}: HF generate, stop ids {stop}"
+        assert out[0, len(PROMPT) :].tolist() == free[: stop_at + 1], f"{name}: HF generate, stop ids {stop}"
         golden = hf_reference.greedy_ids(d, PROMPT, NEW_TOKENS, list(stop) or None)
-        assert golden == free[:stop_at + 1], f"{name}: golden greedy with stop ids {stop}"
+        assert golden == free[: stop_at + 1], f"{name}: golden greedy with stop ids {stop}"
 
 
-@pytest.mark.parametrize("text,message", [
-    ("{bad", "generation_config.json is not valid JSON"),   # HF silently falls back to config.json here
-    ("[151645]", "generation_config.json must hold a JSON object {...}, got a JSON list"),
-    ('{"eos_token_id": "2"}', "field 'eos_token_id' is '2' (a JSON string), expected a token id >= 0"),
-    ('{"eos_token_id": [2, true]}', "field 'eos_token_id' is [2, True] (a JSON list), expected a token id"),
-    ('{"eos_token_id": [2, 5000]}', "eos_token_id [5000] outside the vocabulary 0..1023"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("{bad", "generation_config.json is not valid JSON"),  # HF silently falls back to config.json here
+        ("[151645]", "generation_config.json must hold a JSON object {...}, got a JSON list"),
+        ('{"eos_token_id": "2"}', "field 'eos_token_id' is '2' (a JSON string), expected a token id >= 0"),
+        ('{"eos_token_id": [2, true]}', "field 'eos_token_id' is [2, True] (a JSON list), expected a token id"),
+        ('{"eos_token_id": [2, 5000]}', "eos_token_id [5000] outside the vocabulary 0..1023"),
+    ],
+)
 def test_broken_generation_config_names_the_file(tmp_path, random_pair, text, message):
     d = _checkpoint(tmp_path, random_pair, "ckpt", 2, text)
-    with pytest.raises(CheckpointError, match=re.escape(str(d / "generation_config.json")) + ".*" +
-                       re.escape(message)):
+    with pytest.raises(CheckpointError, match=re.escape(str(d / "generation_config.json")) + ".*" + re.escape(message)):
         _stop_ids(d)
 
 
 def test_config_eos_outside_vocabulary_is_refused(tmp_path, random_pair):
     d = _checkpoint(tmp_path, random_pair, "ckpt", [2, 1024], None)
-    with pytest.raises(CheckpointError, match=re.escape(f"config {d / 'config.json'}: eos_token_id [1024] "
-                                                        f"outside the vocabulary 0..1023")):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"config {d / 'config.json'}: eos_token_id [1024] outside the vocabulary 0..1023"),
+    ):
         _stop_ids(d)
