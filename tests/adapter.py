@@ -6,6 +6,7 @@ Tests are the only place that imports both packages; the same records could come
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -25,6 +26,8 @@ def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
     plenty) instead of one planned to fill the device: the checks after every step stay cheap. The memory
     tests build their engines themselves to exercise the planner."""
     kw.setdefault("num_blocks", 8192)
+    # the whole GPU suite runs in one graph mode per invocation: REFENGINE_GRAPH_MODE=eager|piecewise|full
+    kw.setdefault("graph_mode", os.environ.get("REFENGINE_GRAPH_MODE") or None)
     return Engine(
         EngineConfig(
             str(target),

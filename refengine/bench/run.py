@@ -28,6 +28,20 @@ class BenchError(RefEngineError):
     """A bench run is not a measurement: a request was rejected, or a row ran no tokens."""
 
 
+def check_ran(reqs: list, output_tokens: int) -> None:
+    """Every request ran its whole budget (ignore_eos): a row with an errored, aborted or short request is not
+    a measurement."""
+    if not reqs or sum(len(r.output_ids) for r in reqs) == 0:
+        raise BenchError(f"a bench run of {len(reqs)} requests produced no tokens")
+    for r in reqs:
+        if len(r.output_ids) < output_tokens:
+            reason = r.finish_reason.value if r.finish_reason is not None else "unfinished"
+            raise BenchError(
+                f"bench request {r.request_id} ran {len(r.output_ids)} of {output_tokens} tokens "
+                f"({reason}) {r.message}".rstrip()
+            )
+
+
 def measure_copy_bandwidth(device: str) -> float:
     """Device-to-device copy, bytes read + written per second (CPU: memcpy of a 256 MiB buffer)."""
     n = 1 << 28
@@ -99,9 +113,8 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
     plans = Counter(engine.scheduler.plan_counts)
     plans.subtract(plans_before)
+    check_ran(reqs, output_tokens)
     tokens = sum(len(r.output_ids) for r in reqs)
-    if tokens == 0:
-        raise BenchError(f"a bench run of {len(reqs)} requests produced no tokens")
     stats = SpecStats()
     for r in reqs:
         stats.merge(r.spec)

@@ -9,15 +9,15 @@ Run: python -m pytest -q tests/unit/test_cli_errors.py
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from refengine import FinishReason, Request, SamplingParams
-from refengine.bench import _check_ran
+from refengine.bench.run import BenchError, check_ran
 from refengine.cli import main
 from refengine.defaults import RANDOM_PAIR
-from refengine.errors import StepError
 
 QWEN3_4B = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "qwen3-4b"
 
@@ -29,26 +29,30 @@ def _fails(capsys, *argv: str) -> str:
         rc = e.code
     out, err = capsys.readouterr()
     assert rc == 2, f"{' '.join(argv)}: exit {rc}, stdout {out[-300:]!r}"
-    assert "Traceback" not in err and err.endswith("\n") and err.count("\n") == 1, f"not one line: {err!r}"
-    return err
+    bare = re.sub(r"\r?bench:[^\r\n]*?run/s\]", "", err)  # minus bench's progress bar
+    lines = [s for s in re.split(r"[\r\n]", bare) if s.strip()]
+    assert "Traceback" not in err and len(lines) == 1, f"not one line: {err!r}"
+    return lines[0] + "\n"
 
 
 @pytest.mark.parametrize(
     "value,message",
     [
-        ("2,0", "argument --concurrency: concurrency 0 in '2,0': each must be >= 1"),
-        ("a,b", "argument --concurrency: 'a,b' is not a comma-separated list of integers"),
-        ("", "argument --concurrency: '' is not a comma-separated list of integers"),
+        ("2,0", "--concurrency '2,0': give positive integers, comma-separated"),
+        ("a,b", "--concurrency 'a,b': give positive integers, comma-separated"),
+        ("", "--concurrency '': give positive integers, comma-separated"),
     ],
 )
 def test_bench_concurrency_is_validated(capsys, value, message):
     err = _fails(capsys, "bench", "--device", "cpu", "--concurrency", value)
-    assert err.startswith("refengine bench: error: ") and message in err, err
+    assert err.startswith("refengine: BenchError: ") and message in err, err
 
 
 def test_bench_lengths_are_validated(capsys):
-    assert "argument --prompt-len: 0 must be >= 1" in _fails(capsys, "bench", "--prompt-len", "0")
-    assert "argument --output-tokens: 'x' is not an integer" in _fails(capsys, "bench", "--output-tokens", "x")
+    assert "--repeats, --output-tokens and --prompt-len must be positive" in _fails(
+        capsys, "bench", "--prompt-len", "0"
+    )
+    assert "argument --output-tokens: invalid int value: 'x'" in _fails(capsys, "bench", "--output-tokens", "x")
 
 
 def test_bench_fails_when_every_request_is_rejected(capsys):
@@ -67,15 +71,17 @@ def test_bench_fails_when_every_request_is_rejected(capsys):
         "4",
     )
     assert err.startswith(
-        "refengine: InvalidRequestError: bench request 0 rejected (context_length): prompt 5000 + max_tokens "
+        "refengine: BenchError: 1 of 1 bench requests were rejected (context_length): prompt 5000 + max_tokens "
     ), err
 
 
 def test_bench_row_that_ran_short_is_an_error():
     req = Request(3, [1, 2], SamplingParams(max_tokens=4))
     req.finish(FinishReason.ERROR, "request 3: 2 steps it was part of failed")
-    with pytest.raises(StepError, match=r"bench request 3 ran 0 of 4 tokens \(error\) request 3: 2 steps"):
-        _check_ran([req], 4)
+    other = Request(4, [1, 2], SamplingParams(max_tokens=4))
+    other.output_ids = [5, 6, 7, 8]
+    with pytest.raises(BenchError, match=r"bench request 3 ran 0 of 4 tokens \(error\) request 3: 2 steps"):
+        check_ran([other, req], 4)
 
 
 def test_memory_errors_go_through_cli_main(capsys, tmp_path):
