@@ -67,13 +67,15 @@ def run(
     warmup: int,
     steps: int,
     profile: bool,
+    kinds: tuple[str, ...] = ("plain", "dflash"),
+    fused_ops: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     from refengine.engine import Engine
 
     bandwidth = measure_copy_bandwidth("cuda")
     rows = []
     for mode in modes:
-        for spec in [False, True] if draft else [False]:
+        for spec in [k == "dflash" for k in kinds if draft or k == "plain"]:
             engine = Engine(
                 EngineConfig(
                     target,
@@ -81,6 +83,7 @@ def run(
                     device="cuda",
                     synthetic_weights=synthetic,
                     graph_mode=mode,
+                    fused_ops=fused_ops,
                     max_num_seqs=max(batches),
                     gpu_memory_utilization=0.5,  # step times need no large pool
                     max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32,
@@ -91,6 +94,7 @@ def run(
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
                 row = {
+                    "fused_ops": ",".join(engine.config.fused_ops_names) or "none",
                     "mode": mode,
                     "kind": "dflash" if spec else "plain",
                     "batch": b,
@@ -135,6 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--kinds", default="plain,dflash", help="plain and/or dflash rows")
+    p.add_argument(
+        "--fused-ops",
+        help="FlashInfer kernels to use: comma-separated subset of "
+        "rmsnorm,add_rmsnorm,silu_and_mul,rope, or 'none' (default: all)",
+    )
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
     res = run(
@@ -147,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup=a.warmup,
         steps=a.steps,
         profile=a.profile,
+        kinds=tuple(a.kinds.split(",")),
+        fused_ops=None if a.fused_ops is None else tuple(o for o in a.fused_ops.split(",") if o and o != "none"),
     )
     print(json.dumps(res))
     return 0

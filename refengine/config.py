@@ -32,6 +32,7 @@ DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 GRAPH_MODES = ("eager", "piecewise", "full")
+FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")  # FlashInfer kernels of the graphed forwards
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,9 @@ class EngineConfig:
     # attention eager between them) or "full" (attention inside the graph, re-planned before each replay).
     # Default: "full" on CUDA, "eager" on the CPU (where graph modes run with a fake capturer, for tests).
     graph_mode: str | None = None
+    # FlashInfer kernels the graphed forwards use on CUDA (None: all of FUSED_OPS); the rest run as torch ops.
+    # A measuring knob: each fused kernel's gain is in docs/PERF.md.
+    fused_ops: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -248,6 +252,9 @@ class EngineConfig:
             raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise UnsupportedConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        bad_ops = sorted(set(self.fused_ops or ()) - set(FUSED_OPS))
+        if bad_ops:
+            raise UnsupportedConfigError(f"fused_ops {bad_ops}: use a subset of {FUSED_OPS}")
         if self.graph_mode not in (None, *GRAPH_MODES):
             raise UnsupportedConfigError(f"graph_mode={self.graph_mode!r}: use one of {GRAPH_MODES}")
         if self.memory_accounting not in MEMORY_ACCOUNTINGS:
@@ -267,6 +274,10 @@ class EngineConfig:
     @property
     def torch_dtype_name(self) -> str:
         return self.dtype or ("bfloat16" if self.device.startswith("cuda") else "float32")
+
+    @property
+    def fused_ops_names(self) -> tuple[str, ...]:
+        return FUSED_OPS if self.fused_ops is None else self.fused_ops
 
     @property
     def graph_mode_name(self) -> str:

@@ -11,6 +11,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from refengine.config import FUSED_OPS
+
 
 class Kernels(Protocol):
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
@@ -86,6 +88,19 @@ class FlashInferKernels:
         )
 
 
-def kernels_for(device: torch.device, fused: bool) -> Kernels:
-    """FlashInfer's kernels on CUDA when `fused`, else the torch reference ops."""
-    return FlashInferKernels() if fused and device.type == "cuda" else TorchKernels()
+class MixedKernels:
+    """FlashInfer for the ops named in `fused`, torch for the rest (to measure what each fused kernel pays)."""
+
+    def __init__(self, fused: frozenset[str]):
+        fi, ref = FlashInferKernels(), TorchKernels()
+        self.rmsnorm = (fi if "rmsnorm" in fused else ref).rmsnorm
+        self.fused_add_rmsnorm = (fi if "add_rmsnorm" in fused else ref).fused_add_rmsnorm
+        self.silu_and_mul = (fi if "silu_and_mul" in fused else ref).silu_and_mul
+        self.rope_inplace = (fi if "rope" in fused else ref).rope_inplace
+
+
+def kernels_for(device: torch.device, fused: frozenset[str]) -> Kernels:
+    """FlashInfer's kernels for the `fused` ops on CUDA (bf16 / fp16 only), the torch reference ops otherwise."""
+    if device.type != "cuda" or not fused:
+        return TorchKernels()
+    return FlashInferKernels() if fused >= set(FUSED_OPS) else MixedKernels(fused)

@@ -23,8 +23,9 @@ def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> 
     return lambda bucket: TorchGraphAttention(pool)
 
 
-def _kernels(model_dtype: torch.dtype, device: torch.device):
-    return kernels_for(device, fused=model_dtype in (torch.bfloat16, torch.float16))
+def _kernels(config: EngineConfig, model_dtype: torch.dtype, device: torch.device):
+    half = model_dtype in (torch.bfloat16, torch.float16)  # FlashInfer's norm / rope / activation kernels
+    return kernels_for(device, frozenset(config.fused_ops_names) if half else frozenset())
 
 
 def build_target_graphs(
@@ -45,7 +46,7 @@ def build_target_graphs(
         target.lm_head,
         target.rope,
         pool,
-        _kernels(target.dtype, target.device),
+        _kernels(config, target.dtype, target.device),
         tap_layers,
     )
     make = _attention_factory(config, pool, target.cfg)
@@ -73,7 +74,7 @@ def build_draft_graph(drafter: DFlashDrafter, pool: KvPool, config: EngineConfig
         drafter.lm_head,
         drafter.rope,
         pool,
-        _kernels(drafter.fc.dtype, drafter.fc.device),
+        _kernels(config, drafter.fc.dtype, drafter.fc.device),
         context_proj=(drafter.fc, drafter.hidden_norm),
     )
     return GraphRunner(

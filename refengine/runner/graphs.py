@@ -81,6 +81,9 @@ class StepGraph:
         self.buffers = buffers  # every row of the shape: results are read here (stale past `rows`, rule off)
         self.state = buffers if rows == buffers.ids.shape[0] else buffers.head(rows)  # what the pieces compute
         self.pieces: list[Callable[[], None]] = []
+        # host staging of (ids, positions, slots), pinned on CUDA so the copies are truly asynchronous; safe to
+        # rewrite every step because each step ends by reading its results back (a sync)
+        self.staging = torch.zeros((3, rows), dtype=torch.long, pin_memory=buffers.ids.is_cuda)
 
     def layout(self, steps: list[StepRow], pool: KvPool) -> tuple[AttnBatch, torch.Tensor]:
         """Pack the real rows, then the padding requests; returns the attention batch and a [3, rows] int64
@@ -111,10 +114,13 @@ class StepGraph:
             tables.append(dummy)
         if len(ids) > self.rows:
             raise ValueError(f"step of {len(ids)} rows does not fit a graph of {self.rows}")
-        free = self.rows - len(ids)  # padding past the padding requests: not attended, written to a dummy slot
-        ids, pos, slots = ids + [0] * free, pos + [0] * free, slots + [dummy[0] * page] * free
+        # rows past the padding requests' are padding too: not attended, written to a dummy slot
+        staging = self.staging.numpy()
+        staging[0, : len(ids)], staging[0, len(ids) :] = ids, 0
+        staging[1, : len(ids)], staging[1, len(ids) :] = pos, 0
+        staging[2, : len(ids)], staging[2, len(ids) :] = slots, dummy[0] * page
         batch = AttnBatch(q_lens, kv_lens, tables, torch.empty(0), torch.empty(0), causal=self.causal)
-        return batch, torch.tensor([ids, pos, slots], dtype=torch.long)
+        return batch, self.staging
 
     def replay(self, batch: AttnBatch, inputs: torch.Tensor) -> None:
         st = self.state
