@@ -17,19 +17,19 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from refengine.errors import AlignmentError, IntegrityError, InvalidRequestError
+from refengine.integrity import check_scheduler_integrity
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.request import FinishReason, RejectReason, Request, RequestStatus
+from refengine.scheduler_recovery import StepRecovery
 from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
-MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with FinishReason.ERROR (1 retry)
 
-
-class Scheduler:
+class Scheduler(StepRecovery):
     def __init__(
         self,
         pool: KvPool,
@@ -260,118 +260,6 @@ class Scheduler:
         done, self._done = self._done, []
         return done
 
-    def rollback(self, plan: Plan, exc: BaseException, count: bool = True) -> None:
-        """Undo every change `plan` made, so the state is as if it had never been scheduled: plain KV extends
-        truncated, the speculative reservation reverted, staged features dropped, newly admitted requests
-        released (KV and drafter context) and put back at the front of the waiting queue in order. With
-        `count`, each request of the plan records a failed step; on its MAX_FAILED_STEPS-th, or when its KV
-        or drafter context no longer match its committed tokens, it finishes with FinishReason.ERROR."""
-        if self.proposer is not None:
-            self.proposer.discard_staged()
-        if isinstance(plan, PrefillPlan):
-            for r in plan.requests:
-                self.pool.release(r.request_id)
-                if self.proposer is not None:
-                    self.proposer.release(r.request_id)
-                r.status = RequestStatus.WAITING
-            self.waiting.extendleft(reversed(plan.requests))
-        elif isinstance(plan, DecodePlan):
-            for r in plan.requests:
-                self.pool.truncate(r.request_id, r.committed_len)
-        else:
-            self.pool.revert_schedule(plan.reservation)  # nothing applied: frees every block it allocated
-        if not count:
-            return
-        step = f"a {type(plan).__name__.removesuffix('Plan').lower()} step of {len(plan.requests)} requests"
-        for r in plan.requests:
-            r.failed_steps += 1
-            broken = None if isinstance(plan, PrefillPlan) else self._mismatch(r)
-            if r.failed_steps >= MAX_FAILED_STEPS or broken:
-                self._drop(r)
-                why = (
-                    f"its state could not be rolled back ({broken})"
-                    if broken
-                    else f"{r.failed_steps} steps it was part of failed (at most {MAX_FAILED_STEPS - 1} is retried)"
-                )
-                r.finish(
-                    FinishReason.ERROR,
-                    f"request {r.request_id}: {why}; the last, {step}, raised {type(exc).__name__}: {exc}",
-                )
-                self._done.append(r)
-
-    def _mismatch(self, req: Request) -> str | None:
-        kv = self.pool.seq_len.get(req.request_id)
-        if kv != req.committed_len:
-            return f"KV length {kv} != committed {req.committed_len}"
-        if self.eligible(req):
-            try:
-                rows = self.active_proposer.context_rows(req.request_id)
-            except Exception as e:
-                return f"drafter context unreadable: {type(e).__name__}: {e}"
-            if rows != kv:
-                return f"drafter context rows {rows} != committed KV length {kv}"
-        return None
-
-    def abandon(self, plan: Plan, exc: BaseException) -> None:
-        """A failure that cannot be undone (inside commit, or in rollback itself: a refengine bug). Every
-        request of the plan that has not finished finishes with FinishReason.ERROR and everything the plan's
-        requests hold is freed; requests outside the plan are untouched."""
-        if self.proposer is not None:
-            self.proposer.discard_staged()
-        done = {id(r) for r in self._done}
-        for r in plan.requests:
-            self._drop(r)
-            if not r.finished:
-                r.finish(
-                    FinishReason.ERROR,
-                    f"request {r.request_id}: internal error in a step of "
-                    f"{len(plan.requests)} requests (a refengine bug, not retried): "
-                    f"{type(exc).__name__}: {exc}",
-                )
-            if id(r) not in done:
-                self._done.append(r)
-
     def check_integrity(self) -> None:
-        """Scheduler, pool and proposer agree (between steps): each live request is queued once with the
-        matching status; every running request has a table covering exactly its committed length; nothing
-        (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
-        running, waiting ones included; every speculating request's drafter context matches its KV."""
-        self.pool.check_integrity()
-        running = {r.request_id: r for r in self.running}
-        waiting = {r.request_id: r for r in self.waiting}
-        if len(running) != len(self.running) or len(waiting) != len(self.waiting) or running.keys() & waiting:
-            raise IntegrityError(
-                f"a request is queued twice: running {[r.request_id for r in self.running]}, "
-                f"waiting {[r.request_id for r in self.waiting]}"
-            )
-        for rid, req in (*running.items(), *waiting.items()):
-            want = RequestStatus.RUNNING if rid in running else RequestStatus.WAITING
-            if req.status is not want:
-                raise IntegrityError(f"request {rid} is {req.status.value} but queued as {want.value}")
-        orphans = sorted(set(self.pool.live_requests()) - set(running))
-        if orphans:
-            raise IntegrityError(f"KV pool holds requests {orphans} that are not running")
-        for rid, req in running.items():
-            kv = self.pool.seq_len.get(rid)
-            if kv != req.committed_len:
-                raise IntegrityError(f"request {rid}: KV length {kv} != committed {req.committed_len}")
-            need = blocks_for(kv, self.pool.page_size)
-            if len(self.pool.table(rid)) != need:
-                raise IntegrityError(
-                    f"request {rid}: {len(self.pool.table(rid))} blocks for {kv} tokens "
-                    f"(exactly {need} expected between steps)"
-                )
-        if self.proposer is not None:
-            spec = {rid for rid, r in running.items() if self.eligible(r)}
-            staged = self.proposer.staged_requests()
-            if staged:
-                raise IntegrityError(f"proposer holds staged features for requests {sorted(staged)} between steps")
-            live = self.proposer.live_requests()
-            if live != spec:
-                raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
-            for rid in spec:
-                rows = self.proposer.context_rows(rid)
-                if rows != self.pool.seq_len[rid]:
-                    raise IntegrityError(
-                        f"request {rid}: drafter context rows {rows} != committed KV {self.pool.seq_len[rid]}"
-                    )
+        """Scheduler, pool and proposer agree between steps (refengine/integrity.py lists what is checked)."""
+        check_scheduler_integrity(self)
