@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from refengine.bench import add_bench_parser
+from refengine.defaults import add_model_arguments
 from refengine.errors import RefEngineError
 from refengine.memory.cli import add_memory_parser
 
@@ -35,17 +36,10 @@ def cmd_generate(args) -> int:
     import torch
 
     from refengine import Engine, EngineConfig, SamplingParams
-    from refengine.defaults import default_pair
+    from refengine.defaults import model_pair
     from refengine.validation import decode_prompt_arg
 
-    draft: Path | None
-    if args.model is None:
-        target, draft = default_pair()
-        draft = args.dflash_draft_model_path or draft
-    else:
-        target, draft = Path(args.model), args.dflash_draft_model_path
-    if args.no_draft:
-        draft = None
+    target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = _load_tokenizer(Path(target))
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # fails before any load
@@ -103,15 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="refengine", description="Reference engine for DFlash on Qwen3")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="greedy generation (with DFlash when a drafter is given)")
-    g.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")
-    g.add_argument(
-        "--dflash-draft-model-path",
-        "--draft",
-        type=Path,
-        dest="dflash_draft_model_path",
-        help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)",
-    )
-    g.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
+    add_model_arguments(g)
     g.add_argument("--prompt", help="prompt text (token ids when the checkpoint has no tokenizer)")
     g.add_argument(
         "--max-tokens",

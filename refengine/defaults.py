@@ -1,7 +1,9 @@
-"""Where the embedded fixture pairs live (shipped inside the package tree; no network, ever)."""
+"""Where the embedded fixture pairs live (shipped inside the package tree; no network, ever), and the
+--model / --dflash-draft-model-path / --no-draft options every command that runs a pair shares."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -15,3 +17,26 @@ def default_pair() -> tuple[Path, Path]:
         if (pair / "target" / "config.json").is_file() and (pair / "draft" / "config.json").is_file():
             return pair / "target", pair / "draft"
     raise FileNotFoundError(f"no fixture pair under {FIXTURES} (run python -m fixtures.build.random_pair)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")
+    parser.add_argument(
+        "--dflash-draft-model-path",
+        "--draft",
+        type=Path,
+        dest="dflash_draft_model_path",
+        help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)",
+    )
+    parser.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
+
+
+def model_pair(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(target, drafter or None) from add_model_arguments' options: the embedded pair unless --model."""
+    draft: Path | None
+    if args.model is None:
+        target, draft = default_pair()
+        draft = args.dflash_draft_model_path or draft
+    else:
+        target, draft = Path(args.model), args.dflash_draft_model_path
+    return target, None if args.no_draft else draft

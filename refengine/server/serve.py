@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refengine.defaults import add_model_arguments
+
 if TYPE_CHECKING:  # the server modules import pydantic/fastapi: only loaded when serving
     from refengine.engine import Engine
     from refengine.server.loop import EngineLoop
@@ -103,17 +105,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from refengine.config import EngineConfig
-    from refengine.defaults import default_pair
+    from refengine.defaults import model_pair
     from refengine.engine import Engine
 
-    draft: Path | None
-    if args.model is None:
-        target, draft = default_pair()
-        draft = args.dflash_draft_model_path or draft
-    else:
-        target, draft = Path(args.model), args.dflash_draft_model_path
-    if args.no_draft:
-        draft = None
+    target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     kw: dict[str, Any] = {}
     if args.dtype:
@@ -135,15 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    s.add_argument("--model", type=Path, help="target checkpoint dir (default: the embedded tiny pair)")
-    s.add_argument(
-        "--dflash-draft-model-path",
-        "--draft",
-        type=Path,
-        dest="dflash_draft_model_path",
-        help="DFlash drafter checkpoint dir (default with no --model: the embedded drafter)",
-    )
-    s.add_argument("--no-draft", action="store_true", help="plain decoding even for the embedded pair")
+    add_model_arguments(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
