@@ -1,4 +1,5 @@
-"""A slow, dense, one-request DFlash drafter and speculative loop, straight from reference/dflash.md §3-4.
+"""A slow, dense, one-request DFlash drafter and speculative loop, straight from the DFlash drafter
+specification (z-lab's reference: context K/V injection, the non-causal block, the speculative loop).
 
 Nothing is cached between calls: every draft recomputes the context K/V from the full context features,
 and every verify recomputes the target densely with HF. That makes the oracle obviously a pure function
