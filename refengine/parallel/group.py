@@ -28,6 +28,8 @@ from refengine.config import EngineConfig
 from refengine.errors import TensorParallelError, UnsupportedConfigError
 from refengine.parallel.worker import WorkerArgs, init_group, worker_main
 
+STARTUP_TIMEOUT_S = 300.0
+
 
 class TensorParallelGroup:
     def __init__(self, config: EngineConfig, num_blocks: int, dummy_blocks: int):
@@ -70,7 +72,10 @@ class TensorParallelGroup:
             ) from e
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
+        # start-up (spawn, import torch, load the checkpoint) is slower than a collective: bounded separately,
+        # by the group timeout or STARTUP_TIMEOUT_S, whichever is longer; a worker that exits is seen at once
+        limit = max(self.timeout_s, STARTUP_TIMEOUT_S)
+        deadline = time.monotonic() + limit
         for i, (p, conn) in enumerate(zip(self.procs, self.conns)):
             rank = i + 1
             while not conn.poll(0.05):
@@ -78,8 +83,7 @@ class TensorParallelGroup:
                     raise TensorParallelError(f"tensor-parallel rank {rank} exited during setup (code {p.exitcode})")
                 if time.monotonic() > deadline:
                     raise TensorParallelError(
-                        f"tensor-parallel rank {rank} not ready after {self.timeout_s:g} s "
-                        "(EngineConfig.tensor_parallel_timeout_s)"
+                        f"tensor-parallel rank {rank} not ready after {limit:g} s (loading its shard)"
                     )
             kind, detail = conn.recv()
             if kind != "ready":
