@@ -1,7 +1,8 @@
 """Tensor-parallel sharding maths in one process (no workers, no process group): for tp 2 and 4 on the tiny
 targets (1 and 2 KV heads), the ranks' query heads tile the full set, each rank's KV heads are the ones its
 query heads read (GQA), and the sum over ranks of the row-parallel partials (o_proj, down_proj) equals the
-unsharded layer within fp32 rounding; head counts that do not split are refused.
+unsharded layer within fp32 rounding; head counts that do not split are refused; the server's dense prompt
+scoring refuses a shard.
 
 Run: pytest tests/unit/test_tp_sharding.py
 """
@@ -57,3 +58,14 @@ def test_head_counts_that_do_not_split_are_refused():
         check_tensor_parallel(cfg, 3)
     with pytest.raises(UnsupportedConfigError, match="num_attention_heads=4 is not divisible by 8"):
         check_tensor_parallel(cfg, 8)
+
+
+def test_server_prompt_scoring_refuses_a_shard():
+    """refengine.server.scoring runs its own dense forward of the target: on a shard (no all-reduce) it would
+    be wrong, so it refuses tp > 1."""
+    from refengine.server.scoring import prompt_logprobs
+
+    full = Qwen3Model.load(FIXTURES / "tiny-random" / "target")
+    assert prompt_logprobs(full, [5, 6, 7], 2)[1] is not None
+    with pytest.raises(UnsupportedConfigError, match="tensor_parallel_size 1 only"):
+        prompt_logprobs(shard_target(full, 0, 2), [5, 6, 7], 2)
