@@ -238,6 +238,12 @@ class EngineConfig:
     # FlashInfer kernels the graphed forwards use on CUDA (None: all of FUSED_OPS); the rest run as torch ops.
     # A measuring knob: each fused kernel's gain is in docs/PERF.md.
     fused_ops: tuple[str, ...] | None = None
+    # Tensor parallel (refengine/parallel): the target sharded over this many processes (rank 0 = the calling
+    # process, which schedules and hosts the drafter); 1 or a divisor of the target's head counts, checked at
+    # load. tensor_parallel_timeout_s bounds every collective and the workers' start-up: a rank that dies or
+    # hangs fails the engine with TensorParallelError instead of hanging it.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -270,6 +276,17 @@ class EngineConfig:
             )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise UnsupportedConfigError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise UnsupportedConfigError(
+                f"tensor_parallel_timeout_s={self.tensor_parallel_timeout_s} must be positive (seconds)"
+            )
+        if self.tensor_parallel_size > 1 and self.graph_mode_name != "eager":
+            raise UnsupportedConfigError(
+                f"graph_mode={self.graph_mode!r} with tensor_parallel_size={self.tensor_parallel_size}: graph modes "
+                "are tensor-parallel size 1 only for now; use graph_mode='eager'"
+            )
 
     @property
     def torch_dtype_name(self) -> str:
@@ -281,7 +298,9 @@ class EngineConfig:
 
     @property
     def graph_mode_name(self) -> str:
-        return self.graph_mode or ("full" if self.device.startswith("cuda") else "eager")
+        # tensor parallel runs eager by default (graph modes are tp 1 only for now)
+        cuda = self.device.startswith("cuda") and self.tensor_parallel_size == 1
+        return self.graph_mode or ("full" if cuda else "eager")
 
     @property
     def backend_name(self) -> str:

@@ -11,12 +11,13 @@ import torch
 
 from refengine.attention import make_backend
 from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json, read_stop_ids
-from refengine.errors import InvalidRequestError, StepError, UnsupportedConfigError
+from refengine.errors import InvalidRequestError, StepError, TensorParallelError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.planner import KvBudgetPlan
 from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
+from refengine.parallel import TensorParallelGroup, shard_target
 from refengine.plan import Plan, validate_result
 from refengine.request import FinishReason, Request, SamplingParams, SpecStats
 from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
@@ -55,12 +56,17 @@ class Engine:
         if acceptance_override is not None and not isinstance(acceptance_override, AcceptanceOverride):
             raise UnsupportedConfigError("acceptance_override must be an AcceptanceOverride (refengine bench)")
         self.config = config
+        self.tp: TensorParallelGroup | None = None  # set before anything can fail, for close()
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedConfigError(f"device={config.device!r} but torch sees no CUDA device")
         self.target = Qwen3Model.load(
             config.target_path, dtype=dtype, device=config.device, synthetic=config.synthetic_weights
         )
+        if config.tensor_parallel_size > 1:
+            # rank 0's shard; from here on target.cfg is the per-rank geometry (heads, KV heads, MLP width), so
+            # the KV pool, its planner (per-rank KV bytes) and the attention backend are this rank's
+            self.target = shard_target(self.target, 0, config.tensor_parallel_size)
         tcfg = self.target.cfg
         draft_cfg = None
         if config.draft_path:
@@ -95,6 +101,11 @@ class Engine:
             self.target.device,
             dummy_blocks=blocks_for(span, config.page_size),
         )
+        if config.tensor_parallel_size > 1:
+            # after planning (the CUDA profile runs rank 0's shard alone, without collectives): start the
+            # workers, each with a pool of the same blocks, and route the row-parallel sums through the group
+            self.tp = TensorParallelGroup(config, num_blocks, len(self.pool.dummy_blocks))
+            self.target.all_reduce = self.tp.all_reduce
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
         self.scheduler = Scheduler(
             self.pool,
@@ -107,7 +118,7 @@ class Engine:
             speculation=config.speculation,
             acceptance_override=acceptance_override,
         )
-        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs())
+        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp)
         self.scheduler.bind_timings(self.runner.timings)
         self._ids = itertools.count()
         self.finished: list[Request] = []
@@ -136,6 +147,24 @@ class Engine:
         if isinstance(self.proposer, DFlashLane):
             self.proposer.graph = build_draft_graph(self.proposer.drafter, self.proposer.pool, self.config, capturer)
         return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do at tp 1). Idempotent; the engine cannot step after."""
+        tp = getattr(self, "tp", None)
+        if tp is not None:
+            tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def max_context_tokens(self) -> int:
         return self.max_context
@@ -177,8 +206,8 @@ class Engine:
                     sched.rollback(plan, e, count=isinstance(e, Exception))
                 except Exception as e2:
                     sched.abandon(plan, e2)
-                if not isinstance(e, Exception):
-                    raise
+                if not isinstance(e, Exception) or isinstance(e, TensorParallelError):
+                    raise  # a dead rank or a failed collective: the engine cannot go on (see TensorParallelError)
             else:
                 try:
                     sched.commit(plan, result)

@@ -41,3 +41,9 @@ class IntegrityError(RefEngineError):
 class StepError(RefEngineError):
     """An engine step failed (an exception from the forward or the proposer, or a malformed result); the
     step was rolled back, and a request whose second step failed finished with FinishReason.ERROR."""
+
+
+class TensorParallelError(RefEngineError):
+    """A tensor-parallel rank died or a collective failed or timed out (EngineConfig.tensor_parallel_timeout_s).
+    The engine cannot serve any more: Engine.step raises it (after rolling the step back) and so does every
+    later step; close the engine (Engine.close()) and start a new one."""

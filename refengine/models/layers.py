@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +100,14 @@ def project_qkv(w: DecoderLayerWeights, x: torch.Tensor, cfg: ModelConfig, rope:
     return rope.apply(q, positions), rope.apply(k, positions), v
 
 
-def mlp_residual(w: DecoderLayerWeights, h: torch.Tensor, eps: float) -> torch.Tensor:
-    """h + down(silu(gate(n)) * up(n)) with n = post_attention_layernorm(h)."""
+def mlp_residual(
+    w: DecoderLayerWeights,
+    h: torch.Tensor,
+    eps: float,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """h + down(silu(gate(n)) * up(n)) with n = post_attention_layernorm(h). `all_reduce`: tensor parallel,
+    where down_proj is row-parallel and its partial sums are summed over the ranks."""
     n = rms_norm(h, w.post_norm, eps)
-    return h + F.linear(F.silu(F.linear(n, w.gate_proj)) * F.linear(n, w.up_proj), w.down_proj)
+    out = F.linear(F.silu(F.linear(n, w.gate_proj)) * F.linear(n, w.up_proj), w.down_proj)
+    return h + (out if all_reduce is None else all_reduce(out))

@@ -6,6 +6,7 @@ Each decoder layer is split into pre_attn (norm, qkv, q/k norm, RoPE, KV append)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +33,11 @@ class Qwen3Model:
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, H]; the same tensor as embed_tokens when tied
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
+        # Tensor parallel (refengine/parallel): cfg is then this rank's geometry and full_cfg the checkpoint's;
+        # all_reduce sums the row-parallel partial outputs (o_proj, down_proj) over the ranks.
+        self.full_cfg = cfg
+        self.tp_rank, self.tp_size = 0, 1
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def load(
@@ -89,8 +95,9 @@ class Qwen3Model:
     def post_attn(self, i: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residual + o-proj, then the MLP block. attn_out [T, nh, d]."""
         w = self.layers[i]
-        h = h + F.linear(attn_out.reshape(h.shape[0], -1), w.o_proj)
-        return mlp_residual(w, h, self.cfg.rms_norm_eps)
+        o = F.linear(attn_out.reshape(h.shape[0], -1), w.o_proj)
+        h = h + (o if self.all_reduce is None else self.all_reduce(o))
+        return mlp_residual(w, h, self.cfg.rms_norm_eps, self.all_reduce)
 
     def forward(
         self, token_ids: torch.Tensor, batch, pool, attention, capture_layers: tuple[int, ...] = ()

@@ -10,6 +10,7 @@ import torch
 from refengine.attention.base import AttentionBackend, AttnBatch
 from refengine.kv.pool import KvPool
 from refengine.models.qwen3 import Qwen3Model
+from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
@@ -26,7 +27,9 @@ class ModelRunner:
         attention: AttentionBackend,
         proposer: Proposer | None = None,
         graphs: dict[str, GraphRunner] | None = None,
+        tp: TensorParallelGroup | None = None,
     ):
+        self.tp = tp  # tensor parallel: every target forward's inputs go to the other ranks first
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
@@ -84,6 +87,8 @@ class ModelRunner:
         batch = self._batch(spans)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.target.device)
         layers = self.proposer.capture_layers if self.proposer is not None and any(capture) else ()
+        if self.tp is not None:
+            self.tp.send_forward(ids, batch)
         hidden, feats = self.target.forward(ids, batch, self.pool, self.attention, layers)
         offsets = [0]
         for n in batch.q_lens:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from refengine.errors import UnsupportedConfigError
 from refengine.models.layers import mlp_residual, project_qkv, rms_norm
 from refengine.models.qwen3 import Qwen3Model
 
@@ -22,6 +23,10 @@ Row = tuple[float, list[int], list[float]]  # (logprob of the actual token, top-
 def prompt_logprobs(target: Qwen3Model, token_ids: list[int], k: int) -> list[Row | None]:
     """One entry per token: None for the first (nothing predicts it), else the logprob of token_ids[i] after
     token_ids[:i] and the top-k at that position (k >= 1)."""
+    if target.tp_size > 1:  # its dense forward would run rank 0's shard alone, with no all-reduce
+        raise UnsupportedConfigError(
+            f"prompt logprobs (echo + logprobs) are tensor_parallel_size 1 only for now (this engine: {target.tp_size})"
+        )
     cfg = target.cfg
     dev = target.device
     ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
