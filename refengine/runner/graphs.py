@@ -52,10 +52,8 @@ class Capturer:
         # One side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream,
         # so a stream per capture would strand each warm-up's temporaries (measured: 1.25 GB for 37 pieces).
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.captures = 0
 
     def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        self.captures += 1
         if not self.cuda:
             return fn
         stream = self.stream
