@@ -10,6 +10,7 @@ in the suite is followed by Engine.check_integrity() (an autouse fixture).
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=model_pairs(), ids=lambda p: p.name)
 def model_pair(request) -> ModelPair:
     return request.param
+
+
+@pytest.fixture
+def pair_copy(tmp_path, random_pair):
+    """A writable copy of the tiny random pair (target dir, draft dir), for tests that corrupt a checkpoint."""
+    t, d = tmp_path / "target", tmp_path / "draft"
+    shutil.copytree(random_pair.target, t)
+    shutil.copytree(random_pair.draft, d)
+    return t, d
 
 
 @pytest.fixture(scope="session")

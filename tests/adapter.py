@@ -291,3 +291,13 @@ def break_drafter_head_is_the_embedding(engine: Engine) -> None:
 def break_target_head_is_the_embedding(engine: Engine) -> None:
     """The target projects with its input embedding instead of lm_head (invisible on a tied target)."""
     engine.target.lm_head = engine.target.embed_tokens
+
+
+def edit_tensors(ckpt, fn) -> None:
+    """Rewrite a checkpoint's model.safetensors after fn(tensors dict) changed it (corrupt-checkpoint tests)."""
+    from safetensors.torch import load_file, save_file
+
+    f = ckpt / "model.safetensors"
+    tensors = load_file(str(f))
+    fn(tensors)
+    save_file(tensors, str(f))

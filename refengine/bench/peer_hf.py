@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from refengine.bench.report import throughput_fields
 from refengine.errors import UnsupportedConfigError
 
 
@@ -78,18 +79,4 @@ def make_peer(target: str, *, dtype: torch.dtype, device: str, synthetic: bool, 
 
 def peer_row(model, label: str, prompts: list[list[int]], new_tokens: int, device: str, floor: float) -> dict[str, Any]:
     tokens, secs = _generate(model, prompts, new_tokens, device)
-    tps = tokens / secs
-    c = len(prompts)
-    return {
-        "mode": "hf",
-        "acceptance": "-",
-        "peer": label,
-        "concurrency": c,
-        "tokens": tokens,
-        "seconds": round(secs, 4),
-        "tok_per_s": round(tps, 2),
-        "per_request_tok_per_s": round(tps / c, 2),
-        "memory_bound_floor_tok_per_s": round(floor, 1),
-        "x_plain_floor": round(tps / floor, 4),
-        "fraction_of_floor_per_request": round(tps / c / floor, 4),
-    }
+    return {"mode": "hf", "acceptance": "-", "peer": label, **throughput_fields(tokens, secs, len(prompts), floor)}

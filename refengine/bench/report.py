@@ -24,6 +24,21 @@ COLUMNS = [
 ]
 
 
+def throughput_fields(tokens: int, secs: float, concurrency: int, floor: float) -> dict[str, Any]:
+    """The throughput columns every row shares (engine and peer): tok/s, per request, and against the floor."""
+    tps = tokens / secs
+    return {
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "seconds": round(secs, 4),
+        "tok_per_s": round(tps, 2),
+        "per_request_tok_per_s": round(tps / concurrency, 2),
+        "memory_bound_floor_tok_per_s": round(floor, 1),
+        "x_plain_floor": round(tps / floor, 4),
+        "fraction_of_floor_per_request": round(tps / concurrency / floor, 4),
+    }
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its repeats: numeric fields are medians, tok/s also gets min / max; the rest from run 1."""
     row = dict(runs[0])

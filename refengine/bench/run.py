@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from refengine.bench.report import throughput_fields
 from refengine.errors import RefEngineError
 from refengine.request import SamplingParams, SpecStats
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
@@ -142,18 +143,10 @@ def measure_row(
 ) -> dict[str, Any]:
     r = run_once(engine, prompts, output_tokens)
     c, secs, t, plans = len(prompts), r["seconds"], r["timings"], r["plans"]
-    tps = r["tokens"] / secs
     row: dict[str, Any] = {
         "mode": mode,
         "acceptance": acceptance,
-        "concurrency": c,
-        "tokens": r["tokens"],
-        "seconds": round(secs, 4),
-        "tok_per_s": round(tps, 2),
-        "per_request_tok_per_s": round(tps / c, 2),
-        "memory_bound_floor_tok_per_s": round(floor, 1),
-        "x_plain_floor": round(tps / floor, 4),
-        "fraction_of_floor_per_request": round(tps / c / floor, 4),
+        **throughput_fields(r["tokens"], secs, c, floor),
         "host_ms_per_step": round(r["host_s"] * 1e3 / max(r["steps"], 1), 4),
         "steps": r["steps"],
     }
@@ -169,7 +162,7 @@ def measure_row(
             draft_ms_per_step=round(t["draft_s"] * 1e3 / n, 4),
             verify_ms_per_step=round(t["verify_s"] * 1e3 / n, 4),
             own_ideal_tok_per_s=round(ideal, 1),
-            x_own_ideal=round(tps / c / ideal, 4) if ideal else None,
+            x_own_ideal=round(r["tokens"] / secs / c / ideal, 4) if ideal else None,
             accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
             span_hist={str(k): v for k, v in sorted(s.span_hist.items())},
         )

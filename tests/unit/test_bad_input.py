@@ -13,47 +13,31 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fixtures.build.random_pair import build_random_pair, draft_config, write_checkpoint
 from refengine import FinishReason, SamplingParams
 from refengine.errors import CheckpointError, InvalidRequestError, UnsupportedConfigError
 from refengine.request import RejectReason
-from tests.adapter import cpu_engine
-
-
-@pytest.fixture
-def pair_copy(tmp_path, random_pair):
-    t, d = tmp_path / "target", tmp_path / "draft"
-    shutil.copytree(random_pair.target, t)
-    shutil.copytree(random_pair.draft, d)
-    return t, d
-
-
-def _edit_tensors(ckpt, fn):
-    f = ckpt / "model.safetensors"
-    tensors = load_file(str(f))
-    fn(tensors)
-    save_file(tensors, str(f))
+from tests.adapter import cpu_engine, edit_tensors
 
 
 def test_missing_tensor_names_file_and_tensor(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.pop("model.layers.1.self_attn.k_norm.weight"))
+    edit_tensors(t, lambda ts: ts.pop("model.layers.1.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_norm\.weight.*missing.*\[128\]"):
         cpu_engine(t)
 
 
 def test_misshaped_tensor_names_expected_and_actual(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.__setitem__("model.norm.weight", torch.ones(255, dtype=torch.bfloat16)))
+    edit_tensors(t, lambda ts: ts.__setitem__("model.norm.weight", torch.ones(255, dtype=torch.bfloat16)))
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*model\.norm\.weight.*\[255\].*expected \[256\]"):
         cpu_engine(t)
 
 
 def test_misnamed_tensor_is_reported(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(
+    edit_tensors(
         t, lambda ts: ts.__setitem__("model.layers.0.mlp.gate.weight", ts.pop("model.layers.0.mlp.gate_proj.weight"))
     )
     with pytest.raises(CheckpointError, match="gate_proj"):

@@ -10,32 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import struct
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from fixtures.build.random_pair import build_random_pair
 from refengine.errors import CheckpointError
 from refengine.models.qwen3 import Qwen3Model
-from tests.adapter import cpu_engine
-
-
-@pytest.fixture
-def pair_copy(tmp_path, random_pair):
-    t, d = tmp_path / "target", tmp_path / "draft"
-    shutil.copytree(random_pair.target, t)
-    shutil.copytree(random_pair.draft, d)
-    return t, d
-
-
-def _edit_tensors(ckpt, fn):
-    f = ckpt / "model.safetensors"
-    tensors = load_file(str(f))
-    fn(tensors)
-    save_file(tensors, str(f))
+from tests.adapter import cpu_engine, edit_tensors
 
 
 def _cut(f, how: str) -> None:
@@ -80,7 +63,7 @@ def test_non_finite_target_weight_is_refused_with_its_name(pair_copy, bad):
     def poison(ts):
         ts[name][3, 5] = bad
 
-    _edit_tensors(t, poison)
+    edit_tensors(t, poison)
     nan, inf = (1, 0) if bad != bad else (0, 1)
     with pytest.raises(
         CheckpointError,
@@ -92,14 +75,14 @@ def test_non_finite_target_weight_is_refused_with_its_name(pair_copy, bad):
 
 def test_non_finite_drafter_weight_is_refused_with_its_name(pair_copy):
     t, d = pair_copy
-    _edit_tensors(d, lambda ts: ts["fc.weight"].view(-1)[:4].fill_(float("nan")))
+    edit_tensors(d, lambda ts: ts["fc.weight"].view(-1)[:4].fill_(float("nan")))
     with pytest.raises(CheckpointError, match=r"draft/model\.safetensors: tensor 'fc\.weight' holds 4 NaN"):
         cpu_engine(t, d)
 
 
 def test_overflow_in_dtype_conversion_is_named(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts["model.norm.weight"].__setitem__(0, 1e6))  # fine in bf16, Inf in fp16
+    edit_tensors(t, lambda ts: ts["model.norm.weight"].__setitem__(0, 1e6))  # fine in bf16, Inf in fp16
     assert isinstance(Qwen3Model.load(t, dtype=torch.float32), Qwen3Model)
     with pytest.raises(
         CheckpointError,
@@ -111,14 +94,14 @@ def test_overflow_in_dtype_conversion_is_named(pair_copy):
 
 def test_integer_weight_is_refused(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.__setitem__("model.norm.weight", torch.ones(256, dtype=torch.int32)))
+    edit_tensors(t, lambda ts: ts.__setitem__("model.norm.weight", torch.ones(256, dtype=torch.int32)))
     with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has dtype torch\.int32, expected a floating"):
         cpu_engine(t)
 
 
 def test_untied_config_without_lm_head_is_refused(tmp_path):
     t, _ = build_random_pair(tmp_path / "p", seed=2, tied=False)
-    _edit_tensors(t, lambda ts: ts.pop("lm_head.weight"))
+    edit_tensors(t, lambda ts: ts.pop("lm_head.weight"))
     with pytest.raises(
         CheckpointError,
         match=re.escape(
@@ -136,7 +119,7 @@ def test_untied_config_without_lm_head_is_refused(tmp_path):
 
 def test_tied_checkpoint_storing_an_lm_head_copy_still_loads_tied(pair_copy):
     t, _ = pair_copy
-    _edit_tensors(t, lambda ts: ts.__setitem__("lm_head.weight", ts["model.embed_tokens.weight"] * 2))
+    edit_tensors(t, lambda ts: ts.__setitem__("lm_head.weight", ts["model.embed_tokens.weight"] * 2))
     m = Qwen3Model.load(t)
     assert m.lm_head is m.embed_tokens, "tie_word_embeddings true: HF ties and ignores the stored copy"
 
