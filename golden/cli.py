@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
 
@@ -111,17 +112,7 @@ def _check_topk(args) -> tuple[str, bool, dict]:
         "max_regret": report.max_regret,
         "missing_from_hf": report.missing_from_hf,
         "violations": len(report.violations),
-        "first_violations": [
-            {
-                "name": v.name,
-                "position": v.position,
-                "pick": v.pick,
-                "top1": v.top1,
-                "regret": v.regret,
-                "in_topk": v.in_topk,
-            }
-            for v in report.violations[:LISTED]
-        ],
+        "first_violations": [asdict(v) for v in report.violations[:LISTED]],
     }
     return str(report), report.passed, data
 
@@ -135,18 +126,7 @@ def _check_greedy(args) -> tuple[str, bool, dict]:
         "identical": report.identical,
         "tokens": report.tokens,
         "mismatches": len(report.mismatches),
-        "first_mismatches": [
-            {
-                "name": m.name,
-                "position": m.position,
-                "got_len": m.got_len,
-                "want_len": m.want_len,
-                "context_start": m.context_start,
-                "got": m.got,
-                "want": m.want,
-            }
-            for m in report.mismatches[:LISTED]
-        ],
+        "first_mismatches": [asdict(m) for m in report.mismatches[:LISTED]],
     }
     return str(report), report.passed, data
 
@@ -169,17 +149,7 @@ def _check_acceptance(args) -> tuple[str, bool, dict]:
         "tau_engine": report.engine_tau,
         "tau_golden": report.golden_tau,
         "first_failures": report.failures[:LISTED],
-        "first_near_ties": [
-            {
-                "name": d.name,
-                "step": d.step,
-                "got": d.got,
-                "want": d.want,
-                "draft_index": d.draft_index,
-                "margin": d.margin,
-            }
-            for d in report.near_ties[:LISTED]
-        ],
+        "first_near_ties": [asdict(d) for d in report.near_ties[:LISTED]],
     }
     return str(report), report.passed, data
 

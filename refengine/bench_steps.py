@@ -15,7 +15,6 @@ The last line printed is JSON.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import sys
@@ -107,7 +106,6 @@ def run(
                 if profile and b == batches[0]:
                     _profile(engine, b, prompt_len, f"{mode} {row['kind']} batch {b}")
             del engine
-            gc.collect()  # captured graphs' closures form reference cycles: free the pool before the next plan
             torch.cuda.empty_cache()
     return {"bandwidth_bytes_per_s": round(bandwidth), "rows": rows}
 

@@ -195,20 +195,22 @@ class GraphRunner:
         )
 
     def _capture(self, g: StepGraph) -> list[Callable[[], None]]:
-        st, stack, n = g.state, self.stack, len(self.stack.layers)
+        # The pieces close over the state and attention, never over `g` itself: g holds its pieces, so a closure
+        # over g would make a reference cycle that keeps a dropped engine's buffers alive until a gc pass.
+        st, attention, stack, n = g.state, g.attention, self.stack, len(self.stack.layers)
 
         def seg(i: int) -> Callable[[], None]:
             return lambda: stack.segment(i, st)
 
         def attn(i: int) -> Callable[[], None]:
-            return lambda: g.attention.run(i, st.q, st.attn_out)
+            return lambda: attention.run(i, st.q, st.attn_out)
 
         if self.mode == "full":
 
             def whole() -> None:
                 for i in range(n):
                     stack.segment(i, st)
-                    g.attention.run(i, st.q, st.attn_out)
+                    attention.run(i, st.q, st.attn_out)
                 stack.segment(n, st)
 
             return [self.capturer.capture(whole)]

@@ -6,17 +6,16 @@ is a plain CPU engine for Engine.generate / Engine.score comparisons."""
 
 from __future__ import annotations
 
+import fastapi  # noqa: F401  (.[test] installs fastapi and uvicorn: a missing one is an install error, not a skip)
 import pytest
+import uvicorn  # noqa: F401
 
 from conftest import FIXTURES
 from tests.adapter import cpu_engine
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
 PAIR = FIXTURES / "tiny-trained"
 if not (PAIR / "target" / "tokenizer.json").is_file():
-    pytest.skip("the trained tiny pair is not present", allow_module_level=True)
+    pytest.fail("the trained tiny pair (fixtures/tiny-trained) is missing", pytrace=False)
 
 
 @pytest.fixture(scope="session")

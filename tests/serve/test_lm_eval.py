@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+import lm_eval  # noqa: F401  (.[test] installs it: missing is an install error, not a skip)
 import pytest
 
 pytestmark = pytest.mark.lm_eval
-pytest.importorskip("lm_eval")
 
 DRIVER = Path(__file__).resolve().parent / "lm_eval_driver.py"
 TASK_NAMES = ("refengine_tiny_gen", "refengine_tiny_ll")

@@ -19,20 +19,12 @@ import time
 import urllib.error
 import urllib.request
 
+import openai  # .[test] installs it: missing is an install error, not a skip
 import pytest
 
 from refengine import SamplingParams
+from refengine.server.loadtest import DEFAULT_PROMPTS as PROMPTS
 
-openai = pytest.importorskip("openai")
-
-PROMPTS = [
-    "def fibonacci(n):",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):",
-    "# Parse the command line\n",
-    "for i in range(10):",
-    "def read_config(path):",
-]
 TIMEOUT = 60.0
 DEFAULTS = dict(seed=1234, user="test", n=1, top_p=1.0, presence_penalty=0.0, frequency_penalty=0.0, logit_bias={})
 

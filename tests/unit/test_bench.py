@@ -103,7 +103,6 @@ def test_bundled_prompt_sets():
 
 
 def test_bench_hf_peer_row(capsys):
-    pytest.importorskip("transformers")
     rc, res, err = _bench(
         capsys, *RANDOM, "--output-tokens", "4", "--concurrency", "2", "--modes", "plain", "--peer", "hf"
     )

@@ -9,6 +9,9 @@ Run: pytest tests/unit/test_graphs.py        (the same checks on CUDA: tests/gpu
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from refengine import SamplingParams
@@ -97,3 +100,18 @@ def test_short_then_long_capture_breaks_without_the_rule(trained_pair, mode):
     got, want = _short_then_long(trained_pair, mode, rule=False)
     assert got[0] == want[0], "the short request itself is computed in full"
     assert got[1] != want[1], "with the capture-shape rule off, the long request must replay a short graph and diverge"
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_dropped_engine_frees_its_pools_without_a_gc_pass(trained_pair, mode):
+    """Captured pieces must not close over their own graph: a reference cycle kept a dropped engine's KV
+    pools alive until a gc pass, and the next engine on the device planned around memory still held."""
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, graph_mode=mode, max_num_seqs=4)
+    greedy(engine, [[5, 7, 9]], 20)
+    target_kv, draft_kv = weakref.ref(engine.pool.k[0]), weakref.ref(engine.proposer.pool.k[0])
+    gc.disable()
+    try:
+        del engine
+        assert target_kv() is None and draft_kv() is None, "the engine's pools outlived it (a reference cycle)"
+    finally:
+        gc.enable()
