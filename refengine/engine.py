@@ -119,7 +119,7 @@ class Engine:
             acceptance_override=acceptance_override,
         )
         self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp)
-        self.scheduler.bind_timings(self.runner.timings)
+        self.scheduler.bind_timings(self.runner.timings, self.runner.verify_rows, self.runner.graph_captures)
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
@@ -147,6 +147,11 @@ class Engine:
         if isinstance(self.proposer, DFlashLane):
             self.proposer.graph = build_draft_graph(self.proposer.drafter, self.proposer.pool, self.config, capturer)
         return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span)
+
+    def capture_graphs(self) -> int:
+        """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at
+        start-up, so no timed or served step pays a capture); returns how many were captured. No-op in eager."""
+        return self.runner.capture_graphs()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at tp 1). Idempotent; the engine cannot step after."""

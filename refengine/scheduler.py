@@ -15,6 +15,7 @@ plan's unfinished requests with ERROR and frees what they hold, leaving every ot
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 
 from refengine.errors import AlignmentError, IntegrityError, InvalidRequestError
 from refengine.integrity import check_scheduler_integrity
@@ -57,11 +58,23 @@ class Scheduler(StepRecovery):
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self._timings: dict[str, float] | None = None
         self._seen: tuple[float, float] = (0.0, 0.0)
+        self._captures: Callable[[], int] | None = None
+        self._captured = 0  # graphs captured when the current verify plan was made
 
-    def bind_timings(self, timings: dict[str, float]) -> None:
-        """The runner's cumulative GPU-synchronised timings (draft_s, verify_s): the adaptive policy's costs."""
+    def bind_timings(
+        self,
+        timings: dict[str, float],
+        rows: Callable[[int, int], int] | None = None,
+        captures: Callable[[], int] | None = None,
+    ) -> None:
+        """The runner's cumulative GPU-synchronised timings (draft_s, verify_s): the adaptive policy's costs.
+        `rows(n, real_rows)`: the rows a verify computes (graph shapes); `captures()`: graphs captured so far
+        (a step that captured one is not a cost sample)."""
         self._timings = timings
         self._seen = (timings.get("draft_s", 0.0), timings.get("verify_s", 0.0))
+        self._captures = captures
+        if self.policy is not None and rows is not None:
+            self.policy = AdaptivePolicy(self.policy.block_size, rows=rows)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -167,6 +180,7 @@ class Scheduler(StepRecovery):
                 spans = [self.active_proposer.block_size] * len(spec)
             spans = [min(s, r.remaining) for s, r in zip(spans, spec)]  # never verify past the budget
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
+            self._captured = self._captures() if self._captures is not None else 0
             self.plan_counts["verify"] += 1
             return VerifyPlan(spec, spans, res)
         if plain:
@@ -230,7 +244,8 @@ class Scheduler(StepRecovery):
         now = (self._timings.get("draft_s", 0.0), self._timings.get("verify_s", 0.0))
         draft_s, verify_s = now[0] - self._seen[0], now[1] - self._seen[1]
         self._seen = now
-        if self.policy is not None:
+        captured = self._captures() if self._captures is not None else 0
+        if self.policy is not None and captured == self._captured:  # a capture's time is not a step's cost
             self.policy.observe_step(
                 len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans), draft_s, verify_s
             )

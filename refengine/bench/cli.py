@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import torch
@@ -107,6 +108,12 @@ def bench(
             override=AcceptanceOverride(first, seed) if first else None,
             graph_mode=graph_mode,
         )
+        t = time.perf_counter()
+        captured = engine.capture_graphs()  # no timed step pays a capture
+        results.setdefault("graph_captures", {})[mode] = {
+            "shapes": captured,
+            "seconds": round(time.perf_counter() - t, 2),
+        }
         tbytes = target_weight_bytes(engine.target)
         floor, vocab = bandwidth / tbytes, engine.target.cfg.vocab_size
         own_bytes = tbytes + (drafter_weight_bytes(engine.drafter) if engine.drafter is not None else 0)

@@ -86,15 +86,16 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
     dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
     The drafter graph's temporaries are the lane's batch scratch, already in the DFlash reservation."""
-    from refengine.runner.graphs import batch_buckets
+    from refengine.runner.graphs import batch_buckets, row_caps
 
     c, b = target.cfg, target.dtype.itemsize
     span = draft_cfg.block_size if draft_cfg is not None else 1
     taps = len(draft_cfg.target_layer_ids) if draft_cfg is not None else 0
     buckets = batch_buckets(config.max_num_seqs)
     per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
-    rows = sum(buckets) * (1 + (span if draft_cfg is not None else 0))  # decode + verify shapes
-    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify, draft
+    verify_rows = sum(row_caps(span)) if draft_cfg is not None else 0  # per request, over the verify shapes
+    rows = sum(buckets) * (1 + verify_rows)  # decode + verify shapes
+    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify (shared by its caps), draft
     static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model

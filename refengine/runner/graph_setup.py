@@ -14,7 +14,7 @@ from refengine.models.dflash import DFlashDrafter
 from refengine.models.kernels import kernels_for
 from refengine.models.qwen3 import Qwen3Model
 from refengine.models.segmented import SegmentedStack, merge_layer
-from refengine.runner.graphs import Capturer, GraphRunner
+from refengine.runner.graphs import Capturer, GraphRunner, row_caps
 
 
 def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> Callable[[int], object]:
@@ -37,7 +37,8 @@ def build_target_graphs(
     verify_span: int | None,
     capture_shape_rule: bool = True,
 ) -> dict[str, GraphRunner]:
-    """'decode' (one row per request) and, with a proposer, 'verify' (verify_span rows per request)."""
+    """'decode' (one row per request) and, with a proposer, 'verify' (up to verify_span rows per request, in
+    shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps)."""
     stack = SegmentedStack(
         target.cfg,
         [merge_layer(w) for w in target.layers],
@@ -60,7 +61,7 @@ def build_target_graphs(
     )
     runners = {"decode": GraphRunner(stack, make, span=1, **kw)}  # type: ignore[arg-type]
     if verify_span is not None:
-        runners["verify"] = GraphRunner(stack, make, span=verify_span, **kw)  # type: ignore[arg-type]
+        runners["verify"] = GraphRunner(stack, make, span=verify_span, caps=row_caps(verify_span), **kw)  # type: ignore[arg-type]
     return runners
 
 

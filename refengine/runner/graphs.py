@@ -1,9 +1,13 @@
 """CUDA graphs for the steps whose shape repeats: plain decode, verify, and the drafter's block forward.
 
-A graph is captured per shape (kind, batch bucket, span): `bucket` requests of up to `span` rows each, i.e.
-bucket x span rows. A step of N <= bucket requests replays it: its real rows are packed first (in plan
+A graph is captured per shape (kind, batch bucket, row cap): `bucket` requests and bucket x cap rows, where
+any request may hold up to `span` rows (FlashInfer's graph-mode plan takes any split of the rows). A step of
+N <= bucket requests replays the smallest cap that holds its rows: real rows are packed first (in plan
 order), padding requests (one row each, or a whole block for the drafter) follow on the pool's dummy pages,
-and any rows left over are padding too. Dense segments are captured; attention is replayed from a
+and any rows left over are padding too. Verify graphs have caps 2, 4, ..., span (`row_caps`), so a step
+mixing span-1 requests with a few full spans (adaptive speculation) computes about its own rows, not
+bucket x span; the drafter's blocks are always B rows (one cap). Graphs of one bucket share one attention
+wrapper, first planned at the bucket's most rows. Dense segments are captured; attention is replayed from a
 FlashInfer CUDA-graph-mode wrapper re-planned on the host before every replay, either eagerly between the
 segments ("piecewise", the upstream design) or inside one graph ("full").
 
@@ -24,6 +28,15 @@ import torch
 from refengine.attention.base import AttnBatch
 from refengine.kv.pool import KvPool
 from refengine.models.segmented import SegmentedStack, StepState
+
+
+def row_caps(span: int) -> tuple[int, ...]:
+    """Rows per request of the verify shapes: powers of two from 2 below `span`, then `span` itself."""
+    caps, c = [], 2
+    while c < span:
+        caps.append(c)
+        c *= 2
+    return tuple(caps + [span])
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -72,10 +85,10 @@ class StepGraph:
     """One captured shape: persistent buffers, the attention for its batch, the replayable pieces."""
 
     def __init__(
-        self, stack: SegmentedStack, attention, bucket: int, span: int, rows: int, causal: bool, buffers: StepState
+        self, stack: SegmentedStack, attention, bucket: int, cap: int, rows: int, causal: bool, buffers: StepState
     ):
-        self.stack, self.attention, self.bucket, self.span, self.causal = stack, attention, bucket, span, causal
-        self.rows = rows  # rows computed at replay (== bucket x span under the capture-shape rule)
+        self.stack, self.attention, self.bucket, self.cap, self.causal = stack, attention, bucket, cap, causal
+        self.rows = rows  # rows computed at replay (== bucket x cap under the capture-shape rule)
         self.buffers = buffers  # every row of the shape: results are read here (stale past `rows`, rule off)
         self.state = buffers if rows == buffers.ids.shape[0] else buffers.head(rows)  # what the pieces compute
         self.pieces: list[Callable[[], None]] = []
@@ -87,7 +100,7 @@ class StepGraph:
         """Pack the real rows, then the padding requests; returns the attention batch and a [3, rows] int64
         (ids, positions, slots) for the persistent inputs."""
         page, dummy = pool.page_size, pool.dummy_blocks
-        pad_rows = self.span if not self.causal else 1  # the drafter's blocks are always B rows
+        pad_rows = self.cap if not self.causal else 1  # the drafter's blocks are always B rows (its one cap)
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -145,14 +158,19 @@ class GraphRunner:
         score: str,
         capturer: Capturer,
         capture_shape_rule: bool = True,
+        caps: tuple[int, ...] | None = None,
     ):
         if mode not in ("piecewise", "full"):
             raise ValueError(f"graph mode {mode!r}: a GraphRunner runs 'piecewise' or 'full'")
+        caps = tuple(sorted(set(caps))) if caps else (span,)
+        if caps[-1] != span or caps[0] < 1:
+            raise ValueError(f"row caps {caps} must lie in 1..span and end at span {span}")
         self.stack, self.make_attention, self.mode, self.span = stack, make_attention, mode, span
         self.buckets, self.causal, self.score, self.capturer = batch_buckets(max_batch), causal, score, capturer
-        self.capture_shape_rule = capture_shape_rule
-        self.graphs: dict[int, StepGraph] = {}
-        self.replays = 0
+        self.capture_shape_rule, self.caps = capture_shape_rule, caps
+        self.graphs: dict[tuple[int, int], StepGraph] = {}  # (bucket, cap) -> captured shape
+        self._attention: dict[int, object] = {}  # bucket -> the wrapper its shapes share
+        self.replays = self.captures = 0
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -160,27 +178,60 @@ class GraphRunner:
     def fits(self, steps: list[StepRow]) -> bool:
         return self.bucket_for(len(steps)) is not None and all(len(s.tokens) <= self.span for s in steps)
 
-    def _graph(self, bucket: int, rows_now: int) -> StepGraph:
-        g = self.graphs.get(bucket)
+    def shape_for(self, n: int, rows: int) -> tuple[int, int]:
+        """(bucket, cap) a step of n requests and `rows` real rows replays (n must fit a bucket). With the
+        capture-shape rule off (tests) there is one cap, the span, as upstream had."""
+        bucket = self.bucket_for(n)
+        assert bucket is not None, f"{n} requests fit no bucket of {self.buckets}"
+        need = rows + (bucket - n) * (1 if self.causal else self.span)
+        caps = self.caps if self.capture_shape_rule else (self.span,)
+        return bucket, next((c for c in caps if bucket * c >= need), self.span)
+
+    def executed_rows(self, n: int, rows: int) -> int:
+        """Rows the graph computes for a step of n requests and `rows` real rows (the adaptive policy's cost)."""
+        bucket, cap = self.shape_for(n, rows)
+        return bucket * cap
+
+    def capture_all(self) -> int:
+        """Capture every shape now (bench / server start-up: no capture inside a timed or served step);
+        returns how many were new."""
+        before = self.captures
+        for bucket in self.buckets:
+            for cap in self.caps:
+                self._graph(bucket, cap, bucket * cap)
+        return self.captures - before
+
+    def _attention_for(self, bucket: int):
+        att = self._attention.get(bucket)
+        if att is None:
+            att = self._attention[bucket] = self.make_attention(bucket)
+            # The wrapper's first plan fixes the most rows it may ever see (FlashInfer sizes its graph-mode
+            # work lists on it): the bucket's largest shape, all on the dummy pages.
+            self._plan_dummy(att, bucket, bucket * self.span)
+        return att
+
+    def _plan_dummy(self, attention, bucket: int, rows: int) -> None:
+        q_lens = [rows // bucket] * bucket
+        q_lens[0] += rows % bucket
+        dummy = self.stack.pool.dummy_blocks
+        attention.plan(AttnBatch(q_lens, q_lens, [dummy] * bucket, torch.empty(0), torch.empty(0), causal=self.causal))
+
+    def _graph(self, bucket: int, cap: int, rows_now: int) -> StepGraph:
+        g = self.graphs.get((bucket, cap))
         if g is not None:
             return g
-        full = bucket * self.span
+        full = bucket * cap
         rows = full if self.capture_shape_rule else rows_now  # the rule: capture the key's full shape
         buffers = self._state(bucket, full)
         pool = self.stack.pool
         buffers.slots.fill_(pool.dummy_blocks[0] * pool.page_size)  # the warm-up run must not touch a real slot
         if buffers.context is not None:
             buffers.context.slots.fill_(pool.dummy_blocks[0] * pool.page_size)
-        g = StepGraph(self.stack, self.make_attention(bucket), bucket, self.span, rows, self.causal, buffers)
-        # The first plan sees the most rows the graph will ever get (FlashInfer sizes its graph-mode work
-        # lists on it), all on the dummy pages, so the warm-up and capture runs touch no request's KV.
-        q_lens = [rows // bucket] * bucket
-        q_lens[0] += rows % bucket
-        g.attention.plan(
-            AttnBatch(q_lens, q_lens, [pool.dummy_blocks] * bucket, torch.empty(0), torch.empty(0), causal=self.causal)
-        )
+        g = StepGraph(self.stack, self._attention_for(bucket), bucket, cap, rows, self.causal, buffers)
+        self._plan_dummy(g.attention, bucket, rows)  # warm-up and capture runs touch no request's KV
         g.pieces = self._capture(g)
-        self.graphs[bucket] = g
+        self.graphs[(bucket, cap)] = g
+        self.captures += 1
         return g
 
     def _state(self, bucket: int, rows: int) -> StepState:
@@ -222,10 +273,11 @@ class GraphRunner:
     def run(self, steps: list[StepRow], prepare: Callable[[StepGraph], None] | None = None) -> StepGraph:
         """Replay the graph of this step's bucket; read results from the returned graph's buffers.
         `prepare(graph)` fills extra persistent inputs (the drafter's context rows) before the replay."""
-        bucket = self.bucket_for(len(steps))
-        assert bucket is not None and self.fits(steps)
-        rows_now = sum(len(s.tokens) for s in steps) + (bucket - len(steps)) * (self.span if not self.causal else 1)
-        g = self._graph(bucket, rows_now)
+        assert self.fits(steps)
+        real = sum(len(s.tokens) for s in steps)
+        bucket, cap = self.shape_for(len(steps), real)
+        rows_now = real + (bucket - len(steps)) * (self.span if not self.causal else 1)
+        g = self._graph(bucket, cap, rows_now)
         if not self.capture_shape_rule and rows_now > g.rows:
             steps = _truncate(steps, g.rows - (bucket - len(steps)))  # upstream's bug: too few rows computed
         batch, inputs = g.layout(steps, self.stack.pool)

@@ -36,6 +36,21 @@ class ModelRunner:
         # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
         self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "sync_wait_s": 0.0}
 
+    def verify_rows(self, n: int, rows: int) -> int:
+        """Rows a verify of n requests and `rows` real rows computes: its graph shape, or the rows (eager)."""
+        runner = self.graphs.get("verify")
+        return runner.executed_rows(n, rows) if runner is not None and runner.bucket_for(n) is not None else rows
+
+    def graph_captures(self) -> int:
+        """Graphs captured so far, the drafter's included (a step that captured one took longer than it costs)."""
+        runners = list(self.graphs.values()) + [getattr(self.proposer, "graph", None)]
+        return sum(r.captures for r in runners if r is not None)
+
+    def capture_graphs(self) -> int:
+        """Capture every graph shape now (decode, verify, draft); returns how many were new."""
+        runners = list(self.graphs.values()) + [getattr(self.proposer, "graph", None)]
+        return sum(r.capture_all() for r in runners if r is not None)
+
     def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
         Returns the argmax of every real row per request, and stages the tap features when `capture`."""

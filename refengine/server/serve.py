@@ -116,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
     engine = Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, **kw))
+    engine.capture_graphs()  # every CUDA graph shape before the first request (a no-op in eager mode)
     app, loop = make_app(engine, args.served_model_name)
     print(
         f"refengine serve: {target} (drafter {draft or 'off'}) on {device}, http://{args.host}:{args.port}/v1",

@@ -3,33 +3,50 @@ to maximise expected committed tokens per second. Pure Python (no torch): the sc
 step costs and per-request acceptance, and asks it for spans.
 
 Model (all online, with priors):
-- acceptance: each request has a per-position acceptance rate a_i, the decayed maximum-likelihood estimate of
-  a geometric acceptance model: a_i = (s_i + 1) / (s_i + f_i + 2), where after every verify step of span S
-  accepting m drafts s_i <- DECAY*s_i + m and f_i <- DECAY*f_i + [m < S-1] (a rejection was seen). The
-  expected tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
-- cost: a verify step of N requests and R total rows costs V(N, R) = v0 + v1*N + v2*R seconds; a draft step
-  for M requests D(M) = d0 + d1*M (0 when M = 0); a step where every span is 1 runs no draft and is a plain
-  decode step (the runner replays the one-row decode graph, taps included), P(N) = p0 + p1*N. P is its own
-  curve because on the GPU a verify graph is padded to B rows per request, so V is not continuous down to
-  R = N. All three are fitted by recursive least squares (forgetting factor FORGET) on the runner's
-  GPU-synchronised timings, starting from priors.
+- acceptance: each request has a per-position acceptance rate a_i under a geometric model, estimated from
+  decayed counts: after a verify of span S accepting m drafts, s_i <- DECAY*s_i + m and f_i <- DECAY*f_i +
+  [m < S-1] (a rejection was seen); a_i = (s_i + W*A) / (s_i + f_i + W), where A, the population rate, is
+  the same estimate over every request's observations (decayed per observation) and W = PRIOR_WEIGHT. So a
+  new request starts at what the workload has been accepting, and drafts only if that pays. The expected
+  tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
+- cost: a verify step of N requests and R executed rows costs V(N, R) = v0 + v1*N + v2*R, where R is what the
+  runner computes (`executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the real
+  rows); a draft step for M requests D(M) = d0 + d1*M (0 when M = 0); a step where every span is 1 runs no
+  draft and is a plain decode step (the one-row decode graph, taps included), P(N) = p0 + p1*N. All three
+  are fitted by recursive least squares (forgetting factor FORGET) on the runner's GPU-synchronised timings
+  of steps that captured no graph, starting from priors.
 - decision: for each cap S in 2..B, every request gets s_i = min(S, remaining_i); requests are then switched to
   span 1 lowest gain first (k = 0..K), and the choice maximising
-      sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, sum_i s_i))
-  wins against plain decode's N / P(N), so a spec choice is only taken when its predicted rate beats plain's.
+      sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, R(sum_i s_i)))
+  wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
+  choice loses more than a wrong plain one). An O(N) upper bound on any spec choice skips the search when
+  plain clearly wins (the steady state at low acceptance costs almost no host time).
 - exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
-  curve and the acceptance estimates stay measured; the interval doubles (16 .. 128) while the choice is
-  confirmed and drops back to 16 when it flips. A request with no acceptance evidence drafts a full block once.
+  curve and the acceptance estimates stay measured; the interval doubles (MIN_EXPLORE .. MAX_EXPLORE) while
+  the choice is confirmed and drops back to MIN_EXPLORE when it flips.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+RowsFn = Callable[[int, int], int]  # (requests, real rows) -> rows the verify actually computes
+
+
+def real_rows(n: int, rows: int) -> int:
+    """The eager runner computes exactly the step's rows."""
+    return rows
+
+
 DECAY = 0.9
+POP_DECAY = 0.99  # per request-observation: the population rate follows the workload over ~100 of them
+PRIOR_WEIGHT = 2.0  # pseudo-observations of the population rate in a request's own estimate
 FORGET = 0.98
-MIN_EXPLORE, MAX_EXPLORE = 16, 128
+SPEC_MARGIN = 1.02  # speculation must be predicted this much faster than plain decode
+MIN_EXPLORE, MAX_EXPLORE = 16, 256
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
@@ -110,16 +127,32 @@ class Decision:
     predicted_tok_per_s: float
     plain_tok_per_s: float  # the same step as plain decode (every span 1)
     cap: int  # the S of the winning candidate (1 = plain)
+    searched: bool = True  # False: the upper bound showed plain wins, no span was evaluated
 
 
-def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: CostModel) -> Decision:
+def _spec_bound(alphas: list[float], remaining: list[int], block: int, cost: CostModel, rows: RowsFn) -> float:
+    """An upper bound on any speculating choice's rate: every request's largest gain over the cheapest
+    speculating step (one drafting request, one extra row). Valid while the fitted slopes are non-negative."""
+    n = len(alphas)
+    gain = sum(expected_tokens(a, min(block, r)) - 1.0 for a, r in zip(alphas, remaining) if r > 1)
+    return (n + gain) / (cost.draft_s(1) + cost.verify_s(n, rows(n, n + 1)))
+
+
+def choose_spans(
+    alphas: list[float], remaining: list[int], block: int, cost: CostModel, rows: RowsFn = real_rows
+) -> Decision:
     """The span per request maximising predicted committed tokens / second (see the module docstring).
 
     Requests are switched to span 1 lowest acceptance first (for a common span the gain E(S) - 1 rises with
-    the acceptance). O(B * N) arithmetic: well under a millisecond at N = 32, B = 16."""
+    the acceptance). O(B * N) arithmetic, skipped by an O(N) bound when plain clearly wins."""
     n = len(alphas)
     plain_rate = n / cost.plain_s(n)
-    best = Decision([1] * n, plain_rate, plain_rate, 1)
+    plain = Decision([1] * n, plain_rate, plain_rate, 1)
+    if not any(r > 1 for r in remaining):
+        return plain
+    monotone = min(cost.verify.theta[1:] + cost.draft.theta[1:]) >= 0.0
+    if monotone and _spec_bound(alphas, remaining, block, cost, rows) <= plain_rate * SPEC_MARGIN:
+        return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
     order = sorted(range(n), key=lambda i: alphas[i])
     # cum[i][s] = E_i(s) for s = 0..block (E(0) = 0)
     cum = []
@@ -133,24 +166,25 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
     draft_cost = [cost.draft_s(m) for m in range(n + 1)]
     v0, v1, v2 = (t * 1e-3 for t in cost.verify.theta)
     v_fixed = v0 + v1 * n
-    best_rate, best_k, best_cap = plain_rate * (1 + 1e-9), 0, 1
+    verify_cost = [v_fixed + v2 * rows(n, r) for r in range(n * block + 1)]  # by real rows
+    best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
     for cap in range(2, block + 1):
         spans = [cap if remaining[i] >= cap else max(1, remaining[i]) for i in order]
         gains = [cum[i][s] - 1.0 for i, s in zip(order, spans)]
-        gain, extra = sum(gains), sum(spans) - n
+        gain, total = sum(gains), sum(spans)
         drafted = sum(1 for s in spans if s > 1)
         for k in range(n):  # the k lowest-acceptance requests at span 1
             if k:
                 gain -= gains[k - 1]
-                extra -= spans[k - 1] - 1
+                total -= spans[k - 1] - 1
                 drafted -= spans[k - 1] > 1
             if not drafted:
                 break
-            denom = draft_cost[drafted] + v_fixed + v2 * (n + extra)
+            denom = draft_cost[drafted] + verify_cost[total]
             if denom > 0 and (n + gain) > best_rate * denom:
                 best_rate, best_k, best_cap = (n + gain) / denom, k, cap
     if best_cap == 1:
-        return best
+        return plain
     chosen = [1] * n
     for rank, i in enumerate(order):
         if rank >= best_k:
@@ -160,64 +194,71 @@ def choose_spans(alphas: list[float], remaining: list[int], block: int, cost: Co
 
 @dataclass
 class AdaptivePolicy:
-    """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics."""
+    """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics.
+    `rows` maps (requests, real rows) to the rows a verify computes (the runner's graph shapes)."""
 
     block_size: int
     cost: CostModel = field(default_factory=CostModel)
+    rows: RowsFn = real_rows
     counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # req -> (accepted, rejected)
+    population: tuple[float, float] = (0.0, 0.0)  # every request's (accepted, rejected), decayed per observation
     interval: int = MIN_EXPLORE
     steps: int = 0
     explored: int = 0
+    searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins)
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
     last_mean_alpha: float | None = None
     _decisions_before: int = 0
 
+    def __post_init__(self) -> None:
+        self.rows = functools.lru_cache(maxsize=4096)(self.rows)  # a pure function of (n, rows): memoised
+
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
-        self.explored, self.caps = 0, Counter()
+        self.explored, self.searched, self.caps = 0, 0, Counter()
         self._decisions_before = self.steps
+
+    def population_alpha(self) -> float:
+        s, f = self.population
+        return (s + 0.5) / (s + f + 1.0)  # 0.5 before any evidence
 
     def alpha(self, req_id: int) -> float:
         s, f = self.counts.get(req_id, (0.0, 0.0))
-        return (s + 1.0) / (s + f + 2.0)  # 0.5 before any evidence
+        return (s + PRIOR_WEIGHT * self.population_alpha()) / (s + f + PRIOR_WEIGHT)
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         alphas = [self.alpha(r) for r in req_ids]
-        d = choose_spans(alphas, remaining, self.block_size, self.cost)
+        d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
         self.last_mean_alpha = sum(alphas) / len(alphas)
         self.steps += 1
-        explore = self.steps <= 2 or self.steps % self.interval == 0
-        if explore:  # try the other kind: full spans if plain wins, plain if speculating wins
+        self.last = d
+        if self.steps <= 2 or self.steps % self.interval == 0:  # try the other kind: full spans vs plain
             try_spec = self.steps == 1 if self.steps <= 2 else d.cap == 1
             if self.steps > 2:
                 same = self._explored_kind == (d.cap > 1)
                 self._explored_kind = d.cap > 1
                 self.interval = min(self.interval * 2, MAX_EXPLORE) if same else MIN_EXPLORE
             self.explored += 1
-            self.last = d
             return [max(1, min(self.block_size, r)) for r in remaining] if try_spec else [1] * len(req_ids)
         self.caps[d.cap] += 1
-        self.last = d
-        fresh = [i for i, r in enumerate(req_ids) if r not in self.counts and remaining[i] > 1]
-        if any(d.spans[i] == 1 for i in fresh):
-            # a request with no acceptance evidence yet drafts a full block once, so it gets some
-            spans = list(d.spans)
-            for i in fresh:
-                spans[i] = min(self.block_size, remaining[i])
-            self.explored += 1
-            return spans
+        self.searched += d.searched
         return d.spans
 
     def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        self.cost.observe(n, rows, drafted, draft_s, verify_s)
+        """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings."""
+        executed = rows if not drafted and rows == n else self.rows(n, rows)
+        self.cost.observe(n, executed, drafted, draft_s, verify_s)
 
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
         if span <= 1:
             return  # no drafts: nothing learnt about acceptance
+        rejected = 1.0 if accepted < span - 1 else 0.0
         s, f = self.counts.get(req_id, (0.0, 0.0))
-        self.counts[req_id] = (DECAY * s + accepted, DECAY * f + (1.0 if accepted < span - 1 else 0.0))
+        self.counts[req_id] = (DECAY * s + accepted, DECAY * f + rejected)
+        ps, pf = self.population
+        self.population = (POP_DECAY * ps + accepted, POP_DECAY * pf + rejected)
 
     def release(self, req_id: int) -> None:
         self.counts.pop(req_id, None)
@@ -228,11 +269,13 @@ class AdaptivePolicy:
         return {
             "decisions": self.steps - self._decisions_before,
             "explored": self.explored,
+            "searched": self.searched,
+            "explore_interval": self.interval,
             "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
             "verify_ms_model": {
                 "per_step": round(v[0] * 1e3, 4),
                 "per_request": round(v[1] * 1e3, 5),
-                "per_row": round(v[2] * 1e3, 5),
+                "per_executed_row": round(v[2] * 1e3, 5),
                 "fits": self.cost.verify.updates,
             },
             "draft_ms_model": {
@@ -248,4 +291,5 @@ class AdaptivePolicy:
             "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
             "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
             "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None else None,
+            "population_acceptance_alpha": round(self.population_alpha(), 4),
         }

@@ -63,16 +63,25 @@ def test_lossless_adaptive_oracle_and_garbage_proposers(random_pair):
 
 @pytest.mark.parametrize("graph_mode", ["eager", "full"])
 def test_lossless_adaptive_random_spans_every_step(random_pair, graph_mode):
-    """Random spans per request per step, and steps where every span is 1 (then the runner replays the
-    one-row decode graph, taps included, instead of a verify graph padded to B rows)."""
+    """Random spans per request per step, steps where one request speculates and the rest decode (graph modes:
+    a verify shape of fewer rows per request than B), and steps where every span is 1 (then the runner
+    replays the one-row decode graph, taps included)."""
     rng = random.Random(7)
     prompts = _prompts(random_pair, 7, seed=8)
 
     def choose(req_ids, remaining):
-        if rng.random() < 0.3:
+        u = rng.random()
+        if u < 0.3:
             return [1] * len(req_ids)
+        if u < 0.55:  # one request speculates, the rest decode: a verify shape of few rows per request
+            spans = [1] * len(req_ids)
+            spans[rng.randrange(len(spans))] = B
+            return spans
         return [rng.randint(1, B) for _ in req_ids]
 
-    _, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS, choose, graph_mode=graph_mode)
+    engine, reqs = _adaptive_with(random_pair, oracle(B, 1024), prompts, BUDGETS, choose, graph_mode=graph_mode)
     spans = set().union(*(r.spec.span_hist for r in reqs))
     assert 1 in spans and len(spans) > 5, spans
+    if graph_mode != "eager":  # mixed spans replay verify shapes of fewer rows per request than B
+        caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
+        assert len(caps) > 1, f"every verify step replayed one row cap: {caps}"

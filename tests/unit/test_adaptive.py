@@ -14,7 +14,15 @@ import pytest
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import AdaptivePolicy, CostModel, choose_spans, expected_tokens
+import itertools
+
+from refengine.spec_decode.adaptive import (
+    AdaptivePolicy,
+    CostModel,
+    _spec_bound,
+    choose_spans,
+    expected_tokens,
+)
 
 B = 16
 # A memory-bound GPU step: a verify of N requests and R rows costs 10 ms + 0.02 ms/request + 0.01 ms/row;
@@ -123,3 +131,62 @@ def test_plain_steps_feed_the_plain_curve():
         m.observe(8, 8, 0, 0.0, 4e-3)  # all span 1: plain decode
         m.observe(8, 128, 8, 2e-3, 9e-3)  # full spans
     assert abs(m.plain_s(8) - 4e-3) < 5e-4 and abs(m.verify_s(8, 128) - 9e-3) < 5e-4, (m.plain.theta, m.verify.theta)
+
+
+def _graph_rows(n: int, rows: int) -> int:
+    """The GPU verify graphs' executed rows: bucket x the smallest row cap (2, 4, 8, 16) holding the rows."""
+    bucket = next(b for b in (1, 2, 4, 8, 16, 24, 32) if b >= n)
+    need = rows + bucket - n
+    return bucket * next(c for c in (2, 4, 8, 16) if bucket * c >= need)
+
+
+def test_row_caps_let_good_requests_speculate_among_poor_ones():
+    # executed rows drive the verify cost (0.02 ms a row): with verify shapes of 2..16 rows per request, eight
+    # high-acceptance requests among 24 at tau 1 are worth drafting; padded to 16 rows each, they are not
+    graph = CostModel.linear(5e-3, 1e-5, 2e-5, 1.2e-3, 7e-5, p0=5e-3, p1=1e-5)
+    alphas, remaining = [0.0] * 24 + [0.9] * 8, [128] * 32
+    capped = choose_spans(alphas, remaining, B, graph, _graph_rows)
+    assert capped.spans[:24] == [1] * 24 and min(capped.spans[24:]) > 1, capped
+    padded = choose_spans(alphas, remaining, B, graph, lambda n, r: 32 * B if r > n else n)
+    assert padded.spans == [1] * 32, padded
+
+
+def test_spec_bound_is_an_upper_bound_on_every_span_choice():
+    # brute force over every span assignment of up to 3 requests (B = 4): no speculating choice beats the bound
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 3)
+        cost = CostModel.linear(*(rng.uniform(1e-4, 1e-2) for _ in range(5)), p0=rng.uniform(1e-3, 1e-2))
+        alphas, remaining = [rng.random() for _ in range(n)], [rng.randint(1, 6) for _ in range(n)]
+        bound = _spec_bound(alphas, remaining, 4, cost, _graph_rows)
+        for spans in itertools.product(range(1, 5), repeat=n):
+            if max(spans) == 1 or any(s > max(1, min(4, r)) for s, r in zip(spans, remaining)):
+                continue
+            drafted = sum(s > 1 for s in spans)
+            rate = sum(expected_tokens(a, s) for a, s in zip(alphas, spans)) / (
+                cost.draft_s(drafted) + cost.verify_s(n, _graph_rows(n, sum(spans)))
+            )
+            assert rate <= bound + 1e-9, (alphas, remaining, spans, rate, bound)
+
+
+def test_new_requests_start_from_the_population_rate():
+    pol = AdaptivePolicy(B, cost=COST)
+    assert pol.alpha(99) == 0.5  # no evidence anywhere yet
+    for rid in range(40):
+        pol.observe_acceptance(rid, B, 0)  # the workload accepts nothing
+    assert pol.alpha(1000) < 0.05, pol.alpha(1000)
+    pol.steps = 10  # past the start-up explorations
+    d = choose_spans([pol.alpha(r) for r in range(1000, 1032)], [128] * 32, B, COST)
+    assert d.spans == [1] * 32 and not d.searched, "plain must win by the bound alone, with no span search"
+    for rid in range(40):
+        pol.observe_acceptance(rid, B, B - 1)  # now it accepts everything
+    assert pol.alpha(2000) > 0.5 and pol.choose([2000], [128]) == [B]
+
+
+def test_near_break_even_keeps_plain():
+    # a spec choice predicted 1% faster than plain decode is not taken (SPEC_MARGIN): plain is the safe side
+    cost = CostModel.linear(10e-3, 0.0, 0.0, 0.0, 0.0, p0=10e-3, p1=0.0)
+    cost.draft.theta = [0.0, 0.0]
+    alpha = 0.0101  # E(2) = 1.0101: 1% more tokens for the same step time
+    assert choose_spans([alpha], [128], 2, cost).spans == [1]
+    assert choose_spans([0.05], [128], 2, cost).spans == [2]

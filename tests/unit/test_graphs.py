@@ -15,7 +15,7 @@ import weakref
 import pytest
 
 from refengine import SamplingParams
-from refengine.runner.graphs import StepRow, batch_buckets
+from refengine.runner.graphs import StepRow, batch_buckets, row_caps
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 
 B = 16
@@ -29,12 +29,31 @@ def test_batch_buckets_cover_every_batch_size():
         assert min(b for b in batch_buckets(64) if b >= n) - n < 8
 
 
+def test_verify_shapes_fit_the_rows_of_the_step(random_pair):
+    """A step replays the smallest (bucket, cap) shape that holds its rows: one full span among 31 one-row
+    requests costs 2 rows per request, not B; capture_all captures every shape once."""
+    assert row_caps(16) == (2, 4, 8, 16) and row_caps(8) == (2, 4, 8) and row_caps(2) == (2,)
+    engine = cpu_engine(random_pair.target, random_pair.draft, graph_mode="full", max_num_seqs=32)
+    verify, decode = engine.runner.graphs["verify"], engine.runner.graphs["decode"]
+    assert verify.shape_for(32, 31 + B) == (32, 2) and verify.executed_rows(32, 31 + B) == 64
+    assert verify.shape_for(32, 32 * B) == (32, B)
+    assert verify.shape_for(30, 60) == (32, 2), "two padding requests add a row each: 62 rows fit 32 x 2"
+    assert verify.shape_for(30, 63) == (32, 4)
+    assert verify.shape_for(1, 3) == (1, 4) and verify.shape_for(1, B) == (1, B)
+    assert decode.shape_for(5, 5) == (8, 1)
+    small = cpu_engine(random_pair.target, random_pair.draft, graph_mode="piecewise", max_num_seqs=4)
+    runner = small.runner.graphs["verify"]
+    assert runner.capture_all() == len(batch_buckets(4)) * len(row_caps(B)) and runner.capture_all() == 0
+    shared = {id(g.attention) for (bucket, _), g in runner.graphs.items() if bucket == 4}
+    assert len(shared) == 1, "the shapes of one bucket share one attention wrapper"
+
+
 def test_layout_packs_real_rows_then_padding_on_dummy_pages(random_pair):
     engine = cpu_engine(random_pair.target, random_pair.draft, graph_mode="piecewise", max_num_seqs=4)
     reqs = [engine.add_request([3] * n, SamplingParams(max_tokens=20, ignore_eos=True)) for n in (5, 17)]
     engine.step()  # prefill both
     verify = engine.runner.graphs["verify"]
-    g = verify._graph(4, 4 * B)
+    g = verify._graph(4, B, 4 * B)
     steps = [StepRow(r.request_id, r.committed_len, [1] * s, r.committed_len + s) for r, s in zip(reqs, (B, 3))]
     for r, s in zip(reqs, (B, 3)):
         engine.pool.extend(r.request_id, s)  # reserve the span's slots, as schedule_speculative does
@@ -115,3 +134,20 @@ def test_dropped_engine_frees_its_pools_without_a_gc_pass(trained_pair, mode):
         assert target_kv() is None and draft_kv() is None, "the engine's pools outlived it (a reference cycle)"
     finally:
         gc.enable()
+
+
+def test_steps_that_capture_a_graph_are_not_cost_samples(trained_pair):
+    """The adaptive policy fits step costs on the runner's timings; a step that captured a graph took far longer
+    than its shape costs, so it is skipped. After capture_graphs() (bench, serve) every step is a sample."""
+    for warm in (False, True):
+        engine = cpu_engine(
+            trained_pair.target, trained_pair.draft, graph_mode="piecewise", max_num_seqs=4, speculation="adaptive"
+        )
+        if warm:
+            assert engine.capture_graphs() > 0
+        greedy(engine, [[5, 7, 9]], 30)
+        policy = engine.scheduler.policy
+        assert policy is not None
+        fits = policy.cost.verify.updates + policy.cost.plain.updates
+        steps = engine.scheduler.plan_counts["verify"]
+        assert (fits == steps) if warm else (0 < fits < steps), f"warm={warm}: {fits} cost samples, {steps} steps"
