@@ -57,7 +57,7 @@ class Scheduler(StepRecovery):
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self._timings: dict[str, float] | None = None
-        self._seen: tuple[float, float] = (0.0, 0.0)
+        self._seen: tuple[float, ...] = (0.0, 0.0, 0.0)  # draft_s, verify_s, decode_s at the last step
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured when the current verify plan was made
 
@@ -71,7 +71,7 @@ class Scheduler(StepRecovery):
         `rows(n, real_rows)`: the rows a verify computes (graph shapes); `captures()`: graphs captured so far
         (a step that captured one is not a cost sample)."""
         self._timings = timings
-        self._seen = (timings.get("draft_s", 0.0), timings.get("verify_s", 0.0))
+        self._seen = tuple(timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
         self._captures = captures
         if self.policy is not None and rows is not None:
             self.policy = AdaptivePolicy(self.policy.block_size, rows=rows)
@@ -179,8 +179,15 @@ class Scheduler(StepRecovery):
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
             spans = [min(s, r.remaining) for s, r in zip(spans, spec)]  # never verify past the budget
-            res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self._captured = self._captures() if self._captures is not None else 0
+            if self.policy is not None and max(spans) == 1:
+                # plain decode for every speculating request: the decode step, with their tap-layer features
+                # captured so the drafter context stays aligned (nothing to reserve, draft or accept)
+                for r in spec:
+                    self.pool.extend(r.request_id, 1)
+                self.plan_counts["decode"] += 1
+                return DecodePlan(spec, capture=[True] * len(spec))
+            res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
             return VerifyPlan(spec, spans, res)
         if plain:
@@ -216,7 +223,12 @@ class Scheduler(StepRecovery):
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
+                if plan.capture:  # a speculating request the adaptive policy gave span 1
+                    self.active_proposer.commit_context(req.request_id, req.committed_len, 1)
+                    req.spec.record(1, 1)
                 self._append(req, [result.argmax[i][-1]])
+            if plan.capture:
+                self._observe_costs(plan)
         else:
             ignore = [r.params.ignore_eos for r in plan.requests]
             if self.acceptance_override is None:
@@ -237,18 +249,22 @@ class Scheduler(StepRecovery):
             self._observe_costs(plan)
         self._retire_and_check(plan)
 
-    def _observe_costs(self, plan: VerifyPlan) -> None:
-        """Feed the adaptive policy this verify step's shape and the runner's synchronised draft / verify time."""
+    def _observe_costs(self, plan: VerifyPlan | DecodePlan) -> None:
+        """Feed the adaptive policy this step's shape and the runner's synchronised draft / verify (or, all
+        spans 1, decode) time."""
         if self._timings is None:
             return
-        now = (self._timings.get("draft_s", 0.0), self._timings.get("verify_s", 0.0))
-        draft_s, verify_s = now[0] - self._seen[0], now[1] - self._seen[1]
+        now = tuple(self._timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
+        draft_s, verify_s, decode_s = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         captured = self._captures() if self._captures is not None else 0
-        if self.policy is not None and captured == self._captured:  # a capture's time is not a step's cost
-            self.policy.observe_step(
-                len(plan.requests), sum(plan.spans), sum(s > 1 for s in plan.spans), draft_s, verify_s
-            )
+        if self.policy is None or captured != self._captured:  # a capture's time is not a step's cost
+            return
+        n = len(plan.requests)
+        if isinstance(plan, DecodePlan):
+            self.policy.observe_step(n, n, 0, 0.0, decode_s)
+        else:
+            self.policy.observe_step(n, sum(plan.spans), sum(s > 1 for s in plan.spans), draft_s, verify_s)
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

@@ -53,7 +53,8 @@ class ModelRunner:
 
     def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
-        Returns the argmax of every real row per request, and stages the tap features when `capture`."""
+        Returns the argmax of every real row per request, and stages every request's tap features when
+        `capture`."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
@@ -140,14 +141,14 @@ class ModelRunner:
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
-            reqs = plan.requests
+            reqs, capture = plan.requests, plan.capture or [False] * len(plan.requests)
             graphed = (
                 None
-                if any(r.params.logprobs for r in reqs)
+                if any(r.params.logprobs for r in reqs) or len(set(capture)) > 1  # mixed capture: eager
                 else self._replay(
                     "decode",
                     [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
-                    capture=False,
+                    capture=capture[0],
                 )
             )
             if graphed is not None:
@@ -157,7 +158,7 @@ class ModelRunner:
             a, t = self._run(
                 [[r.output_ids[-1]] for r in reqs],
                 spans,
-                [False] * len(reqs),
+                capture,
                 [range(1)] * len(reqs),
                 [r.params.logprobs for r in reqs],
             )
@@ -178,9 +179,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
-        # every span 1 (adaptive chose plain decode for all): the one-row decode graph, which computes the
-        # same taps, instead of a verify graph padded to B rows per request
-        kind = "verify" if any(span > 1 for _, _, span in view) else "decode"
+        kind = "verify" if any(span > 1 for _, _, span in view) else "decode"  # all span 1: every budget at its end
         graphed = self._replay(
             kind,
             [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],

@@ -13,17 +13,22 @@ Model (all online, with priors):
   runner computes (`executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the real
   rows); a draft step for M requests D(M) = d0 + d1*M (0 when M = 0); a step where every span is 1 runs no
   draft and is a plain decode step (the one-row decode graph, taps included), P(N) = p0 + p1*N. All three
-  are fitted by recursive least squares (forgetting factor FORGET) on the runner's GPU-synchronised timings
-  of steps that captured no graph, starting from priors.
+  are fitted online (refengine.spec_decode.step_costs) on the runner's GPU-synchronised timings of steps that
+  captured no graph, starting from priors.
 - decision: for each cap S in 2..B, every request gets s_i = min(S, remaining_i); requests are then switched to
   span 1 lowest gain first (k = 0..K), and the choice maximising
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, R(sum_i s_i)))
   wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
   choice loses more than a wrong plain one). An O(N) upper bound on any spec choice skips the search when
   plain clearly wins (the steady state at low acceptance costs almost no host time).
-- exploration: the losing kind (plain vs. speculating at full span) is tried every `interval` steps so its
-  curve and the acceptance estimates stay measured; the interval doubles (MIN_EXPLORE .. MAX_EXPLORE) while
-  the choice is confirmed and drops back to MIN_EXPLORE when it flips.
+- exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
+  spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
+  far plus the live requests' remaining work at plain speed. Each
+  curve is measured once at start-up (calibration); then the losing kind (plain vs. speculating at full
+  span) is tried every `interval` steps, the interval doubling (MIN_EXPLORE .. MAX_EXPLORE) while the
+  choice holds and dropping back when it flips; and new requests the choice leaves at span 1 are probed
+  with a full block, as many as the budget affords (again, up to PROBE_STEPS, while they keep accepting). So at an acceptance where plain wins, adaptive loses at
+  most about EXPLORE_BUDGET to plain decode, plus the error of its predictions.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import functools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from refengine.spec_decode.step_costs import CostModel
 
 RowsFn = Callable[[int, int], int]  # (requests, real rows) -> rows the verify actually computes
 
@@ -43,77 +50,11 @@ def real_rows(n: int, rows: int) -> int:
 
 DECAY = 0.9
 POP_DECAY = 0.99  # per request-observation: the population rate follows the workload over ~100 of them
-PRIOR_WEIGHT = 2.0  # pseudo-observations of the population rate in a request's own estimate
-FORGET = 0.98
+PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
 SPEC_MARGIN = 1.02  # speculation must be predicted this much faster than plain decode
+PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
+EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
-# Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
-# the intercept is free to move and the slopes move slowly unless the data insist.
-VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
-
-
-class _Rls:
-    """Recursive least squares y ~ theta . x with forgetting, in plain Python (dimension 2 or 3)."""
-
-    def __init__(self, theta: list[float], variances: list[float]):
-        n = len(theta)
-        self.theta = list(theta)
-        self.p = [[variances[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
-        self.updates = 0
-
-    def predict(self, x: list[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x))
-
-    def update(self, x: list[float], y: float) -> None:
-        n = len(x)
-        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = FORGET + sum(x[i] * px[i] for i in range(n))
-        k = [v / denom for v in px]
-        err = y - self.predict(x)
-        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
-        self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(n)] for i in range(n)]
-        self.updates += 1
-
-
-@dataclass
-class CostModel:
-    """V(N, R), D(M), P(N), fitted in milliseconds (RLS assumes unit noise: ~1 ms), read in seconds. Priors:
-    a memory-bound step (the fixed cost dominates), drafts cheaper."""
-
-    verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
-    draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
-    plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
-
-    @classmethod
-    def linear(
-        cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None, p1: float | None = None
-    ) -> CostModel:
-        """A fixed model (tests, calibration results); plain decode defaults to V(N, N)."""
-        m = cls()
-        p0, p1 = v0 if p0 is None else p0, v1 + v2 if p1 is None else p1
-        m.verify.theta, m.draft.theta, m.plain.theta = (
-            [v0 * 1e3, v1 * 1e3, v2 * 1e3],
-            [d0 * 1e3, d1 * 1e3],
-            [p0 * 1e3, p1 * 1e3],
-        )
-        return m
-
-    def plain_s(self, n: int) -> float:
-        return max(self.plain.predict([1.0, n]), 1e-3) * 1e-3
-
-    def verify_s(self, n: int, rows: int) -> float:
-        return max(self.verify.predict([1.0, n, rows]), 1e-3) * 1e-3
-
-    def draft_s(self, m: int) -> float:
-        return max(self.draft.predict([1.0, m]), 0.0) * 1e-3 if m else 0.0
-
-    def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        if not drafted and rows == n:
-            self.plain.update([1.0, n], verify_s * 1e3)
-            return
-        self.verify.update([1.0, n, rows], verify_s * 1e3)
-        if drafted:
-            self.draft.update([1.0, drafted], draft_s * 1e3)
 
 
 def expected_tokens(alpha: float, span: int) -> float:
@@ -201,9 +142,14 @@ class AdaptivePolicy:
     cost: CostModel = field(default_factory=CostModel)
     rows: RowsFn = real_rows
     counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # req -> (accepted, rejected)
+    drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
     population: tuple[float, float] = (0.0, 0.0)  # every request's (accepted, rejected), decayed per observation
     interval: int = MIN_EXPLORE
     steps: int = 0
+    elapsed_s: float = 0.0  # measured time of the steps observed so far
+    regret_s: float = 0.0  # predicted time exploration has cost so far (at most EXPLORE_BUDGET x elapsed_s)
+    probes: int = 0  # new requests given a full block to measure their acceptance
+    _next_explore: int = MIN_EXPLORE
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins)
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
@@ -217,7 +163,7 @@ class AdaptivePolicy:
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
-        self.explored, self.searched, self.caps = 0, 0, Counter()
+        self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
         self._decisions_before = self.steps
 
     def population_alpha(self) -> float:
@@ -234,22 +180,63 @@ class AdaptivePolicy:
         self.last_mean_alpha = sum(alphas) / len(alphas)
         self.steps += 1
         self.last = d
-        if self.steps <= 2 or self.steps % self.interval == 0:  # try the other kind: full spans vs plain
-            try_spec = self.steps == 1 if self.steps <= 2 else d.cap == 1
-            if self.steps > 2:
-                same = self._explored_kind == (d.cap > 1)
-                self._explored_kind = d.cap > 1
+        full = [max(1, min(self.block_size, r)) for r in remaining]
+        n, spec = len(req_ids), d.cap > 1
+        if (self.cost.plain.updates if spec else self.cost.verify.updates) == 0 and max(full) > 1:
+            self.explored += 1  # calibration: the other kind's curve has never been measured
+            return [1] * n if spec else full
+        if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
+            trial = [1] * n if spec else full
+            if self._afford(trial, alphas, remaining, d):
+                same = self._explored_kind == spec
+                self._explored_kind = spec
                 self.interval = min(self.interval * 2, MAX_EXPLORE) if same else MIN_EXPLORE
-            self.explored += 1
-            return [max(1, min(self.block_size, r)) for r in remaining] if try_spec else [1] * len(req_ids)
+                self._next_explore = self.steps + self.interval
+                self.explored += 1
+                return trial
+        fresh = [i for i, r in enumerate(req_ids) if self._probing(r) and d.spans[i] == 1 and full[i] > 1]
+        while fresh:  # probe requests still being learnt with a full block, as many as the budget affords
+            trial = list(d.spans)
+            for i in fresh:
+                trial[i] = full[i]
+            if self._afford(trial, alphas, remaining, d):
+                self.probes += len(fresh)
+                self.caps[d.cap] += 1
+                return trial
+            fresh = fresh[: len(fresh) // 2]
         self.caps[d.cap] += 1
         self.searched += d.searched
         return d.spans
+
+    def _afford(self, spans: list[int], alphas: list[float], remaining: list[int], d: Decision) -> bool:
+        """Take an exploring choice only if its predicted regret (its time minus the time the chosen spans need
+        for the same expected tokens) keeps all exploration within EXPLORE_BUDGET of the step time so far plus
+        the live requests' remaining work (so a new request's probe is paid for by its own generation)."""
+        n, drafted = len(spans), sum(s > 1 for s in spans)
+        if drafted:
+            t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
+            tokens = sum(expected_tokens(a, s) for a, s in zip(alphas, spans))
+        else:
+            t, tokens = self.cost.plain_s(n), float(n)
+        regret = max(0.0, t - tokens / d.predicted_tok_per_s)
+        ahead = sum(remaining) * self.cost.plain_s(n) / n  # the live requests' remaining work, at plain speed
+        if self.regret_s + regret > EXPLORE_BUDGET * (self.elapsed_s + ahead):
+            return False
+        self.regret_s += regret
+        return True
 
     def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings."""
         executed = rows if not drafted and rows == n else self.rows(n, rows)
         self.cost.observe(n, executed, drafted, draft_s, verify_s)
+        self.elapsed_s += draft_s + verify_s
+
+    def _probing(self, req_id: int) -> bool:
+        """A request is probed (given a full block despite the choice) until PROBE_STEPS drafting steps are
+        seen, while each keeps accepting something: one probe settles a request that accepts nothing, a
+        few let a request far above the population rate outweigh the prior."""
+        steps, last = self.drafted.get(req_id, (0, 0))
+        return steps < PROBE_STEPS and (steps == 0 or last > 0)
 
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
         if span <= 1:
@@ -257,11 +244,13 @@ class AdaptivePolicy:
         rejected = 1.0 if accepted < span - 1 else 0.0
         s, f = self.counts.get(req_id, (0.0, 0.0))
         self.counts[req_id] = (DECAY * s + accepted, DECAY * f + rejected)
+        self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
         ps, pf = self.population
         self.population = (POP_DECAY * ps + accepted, POP_DECAY * pf + rejected)
 
     def release(self, req_id: int) -> None:
         self.counts.pop(req_id, None)
+        self.drafted.pop(req_id, None)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
@@ -270,7 +259,10 @@ class AdaptivePolicy:
             "decisions": self.steps - self._decisions_before,
             "explored": self.explored,
             "searched": self.searched,
+            "probes": self.probes,
             "explore_interval": self.interval,
+            "explore_regret_ms": round(self.regret_s * 1e3, 3),
+            "observed_step_ms": round(self.elapsed_s * 1e3, 3),
             "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
             "verify_ms_model": {
                 "per_step": round(v[0] * 1e3, 4),
