@@ -23,12 +23,12 @@ Model (all online, with priors):
   plain clearly wins (the steady state at low acceptance costs almost no host time).
 - exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
   spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
-  far plus the live requests' remaining work at plain speed. Each
-  curve is measured once at start-up (calibration); then the losing kind (plain vs. speculating at full
-  span) is tried every `interval` steps, the interval doubling (MIN_EXPLORE .. MAX_EXPLORE) while the
-  choice holds and dropping back when it flips; and new requests the choice leaves at span 1 are probed
-  with a full block, as many as the budget affords (again, up to PROBE_STEPS, while they keep accepting). So at an acceptance where plain wins, adaptive loses at
-  most about EXPLORE_BUDGET to plain decode, plus the error of its predictions.
+  far plus the live requests' remaining work at plain speed. Each curve is measured once at start-up
+  (calibration); then the losing kind (plain vs. speculating at full span) is tried every `interval` steps,
+  the interval doubling (MIN_EXPLORE .. MAX_EXPLORE) while the choice holds and dropping back when it
+  flips; and requests the choice leaves at span 1 are probed with a full block while they are new (up to
+  PROBE_STEPS drafting steps, as long as each accepts something), as many as the budget affords. So where
+  plain wins, adaptive loses about EXPLORE_BUDGET to plain decode, plus the error of its predictions.
 """
 
 from __future__ import annotations
