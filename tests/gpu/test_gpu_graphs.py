@@ -2,6 +2,8 @@
 the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass, real bugs do not):
 
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
+- adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
+  rows per request; all-span-1 steps the decode graph with taps);
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
 - the full graph at KV lengths from tens to thousands of tokens, and a deliberately stale attention plan
@@ -60,6 +62,36 @@ def test_gpu_graph_modes_lossless(model_pair, mode, concurrency):
         replays = {k: v.replays for k, v in engine.runner.graphs.items()}
         assert sum(replays.values()) > 0, f"no graph replayed: {replays}"
         failures += _regret_failures(eager, prompts, baseline, out, f"{mode}-{'dflash' if draft else 'plain'}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+@pytest.mark.parametrize("concurrency", [8, 32])
+def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
+    vocab = 1024 if model_pair.name == "tiny-random" else 4096
+    prompts = _prompts(concurrency, [1, 5, 16, 17, 60, 200], seed=concurrency + 1, vocab=vocab)
+    budgets = [[40, 1, 2, B - 1, B, B + 1, 64][i % 7] for i in range(concurrency)]
+    eager = gpu_engine(model_pair.target, graph_mode="eager", max_num_seqs=concurrency)
+    baseline = greedy(eager, prompts, budgets)
+    engine = gpu_engine(
+        model_pair.target, model_pair.draft, graph_mode=mode, max_num_seqs=concurrency, speculation="adaptive"
+    )
+    rng = random.Random(concurrency)
+
+    def choose(req_ids, remaining):
+        u = rng.random()
+        if u < 0.25:
+            return [1] * len(req_ids)
+        if u < 0.6:  # a few requests speculate, the rest decode
+            return [B if rng.random() < 0.15 else 1 for _ in req_ids]
+        return [rng.randint(1, B) for _ in req_ids]
+
+    engine.scheduler.policy.choose = choose  # type: ignore[union-attr]
+    out = greedy(engine, prompts, budgets)
+    engine.check_integrity()
+    caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
+    assert len(caps) > 1, f"one verify row cap replayed: {caps}"
+    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-c{concurrency}")
     assert not failures, "\n".join(failures)
 
 
