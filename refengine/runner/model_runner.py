@@ -59,17 +59,19 @@ class ModelRunner:
         if runner is None or not runner.fits(steps):
             return None
         g = runner.run(steps)
-        total = sum(len(s.tokens) for s in steps)
+        lens = [len(s.tokens) for s in steps]
+        total = sum(lens)
+        if capture and g.buffers.taps is not None and self.proposer is not None:
+            # queued behind the replay and staged while the GPU runs it (the buffer is reused next step)
+            feats = g.buffers.taps[:total].clone().split(lens)
+            for s, f in zip(steps, feats):
+                self.proposer.stage_features(s.req_id, s.start, f)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
         out, row = [], 0
-        taps = g.buffers.taps[:total].clone() if capture and g.buffers.taps is not None else None  # reused buffer
-        for s in steps:
-            n = len(s.tokens)
+        for n in lens:
             out.append(argmax[row : row + n])
-            if taps is not None and self.proposer is not None:
-                self.proposer.stage_features(s.req_id, s.start, taps[row : row + n])
             row += n
         return out
 

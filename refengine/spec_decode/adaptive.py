@@ -73,10 +73,13 @@ class Decision:
 
 def _spec_bound(alphas: list[float], remaining: list[int], block: int, cost: CostModel, rows: RowsFn) -> float:
     """An upper bound on any speculating choice's rate: every request's largest gain over the cheapest
-    speculating step (one drafting request, one extra row). Valid while the fitted slopes are non-negative."""
+    speculating step. D and V are linear in the drafting requests and the executed rows, so their minima
+    over a choice lie at the ends of those ranges, whatever the signs of the fitted slopes."""
     n = len(alphas)
     gain = sum(expected_tokens(a, min(block, r)) - 1.0 for a, r in zip(alphas, remaining) if r > 1)
-    return (n + gain) / (cost.draft_s(1) + cost.verify_s(n, rows(n, n + 1)))
+    draft = min(cost.draft_s(1), cost.draft_s(n))
+    verify = min(cost.verify_s(n, rows(n, n + 1)), cost.verify_s(n, rows(n, n * block)))
+    return (n + gain) / (draft + verify)
 
 
 def choose_spans(
@@ -91,8 +94,7 @@ def choose_spans(
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain
-    monotone = min(cost.verify.theta[1:] + cost.draft.theta[1:]) >= 0.0
-    if monotone and _spec_bound(alphas, remaining, block, cost, rows) <= plain_rate * SPEC_MARGIN:
+    if _spec_bound(alphas, remaining, block, cost, rows) <= plain_rate * SPEC_MARGIN:
         return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
     order = sorted(range(n), key=lambda i: alphas[i])
     # cum[i][s] = E_i(s) for s = 0..block (E(0) = 0)
@@ -175,55 +177,72 @@ class AdaptivePolicy:
         return (s + PRIOR_WEIGHT * self.population_alpha()) / (s + f + PRIOR_WEIGHT)
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
-        alphas = [self.alpha(r) for r in req_ids]
+        pop = self.population_alpha()
+        alphas = []
+        for r in req_ids:
+            sr, fr = self.counts.get(r, (0.0, 0.0))
+            alphas.append((sr + PRIOR_WEIGHT * pop) / (sr + fr + PRIOR_WEIGHT))
         d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
         self.last_mean_alpha = sum(alphas) / len(alphas)
         self.steps += 1
         self.last = d
-        full = [max(1, min(self.block_size, r)) for r in remaining]
-        n, spec = len(req_ids), d.cap > 1
-        if (self.cost.plain.updates if spec else self.cost.verify.updates) == 0 and max(full) > 1:
+        b, n, spec = self.block_size, len(req_ids), d.cap > 1
+        if (self.cost.plain.updates if spec else self.cost.verify.updates) == 0 and max(remaining) > 1:
             self.explored += 1  # calibration: the other kind's curve has never been measured
-            return [1] * n if spec else full
+            return [1] * n if spec else [max(1, min(b, r)) for r in remaining]
+        budget = None
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
-            trial = [1] * n if spec else full
-            if self._afford(trial, alphas, remaining, d):
+            trial = [1] * n if spec else [max(1, min(b, r)) for r in remaining]
+            budget = self._budget(remaining)
+            regret = self._regret(trial, alphas, d)
+            if regret <= budget:
+                self.regret_s += regret
                 same = self._explored_kind == spec
                 self._explored_kind = spec
                 self.interval = min(self.interval * 2, MAX_EXPLORE) if same else MIN_EXPLORE
                 self._next_explore = self.steps + self.interval
                 self.explored += 1
                 return trial
-        fresh = [i for i, r in enumerate(req_ids) if self._probing(r) and d.spans[i] == 1 and full[i] > 1]
-        while fresh:  # probe requests still being learnt with a full block, as many as the budget affords
+        fresh = [i for i, r in enumerate(req_ids) if d.spans[i] == 1 and remaining[i] > 1 and self._probing(r)]
+        if fresh:  # probe requests still being learnt with a full block, as many as the budget affords
+            budget = self._budget(remaining) if budget is None else budget
             trial = list(d.spans)
-            for i in fresh:
-                trial[i] = full[i]
-            if self._afford(trial, alphas, remaining, d):
-                self.probes += len(fresh)
-                self.caps[d.cap] += 1
-                return trial
-            fresh = fresh[: len(fresh) // 2]
+            trial[fresh[0]] = min(b, remaining[fresh[0]])
+            one = self._regret(trial, alphas, d)
+            k = len(fresh) if one <= budget else 0  # when one probe is unaffordable, so is any: no search
+            while k:
+                trial = list(d.spans)
+                for i in fresh[:k]:
+                    trial[i] = min(b, remaining[i])
+                regret = self._regret(trial, alphas, d) if k > 1 else one
+                if regret <= budget:
+                    self.regret_s += regret
+                    self.probes += k
+                    self.caps[d.cap] += 1
+                    return trial
+                k //= 2
         self.caps[d.cap] += 1
         self.searched += d.searched
         return d.spans
 
-    def _afford(self, spans: list[int], alphas: list[float], remaining: list[int], d: Decision) -> bool:
-        """Take an exploring choice only if its predicted regret (its time minus the time the chosen spans need
-        for the same expected tokens) keeps all exploration within EXPLORE_BUDGET of the step time so far plus
-        the live requests' remaining work (so a new request's probe is paid for by its own generation)."""
+    def _budget(self, remaining: list[int]) -> float:
+        """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus
+        the live requests' remaining work at plain speed (a new request's probe is paid for by its own
+        generation), less what it has spent."""
+        n = len(remaining)
+        ahead = sum(remaining) * self.cost.plain_s(n) / n
+        return EXPLORE_BUDGET * (self.elapsed_s + ahead) - self.regret_s
+
+    def _regret(self, spans: list[int], alphas: list[float], d: Decision) -> float:
+        """Predicted regret of an exploring choice: its time minus the time the chosen spans need for the same
+        expected tokens."""
         n, drafted = len(spans), sum(s > 1 for s in spans)
         if drafted:
             t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
             tokens = sum(expected_tokens(a, s) for a, s in zip(alphas, spans))
         else:
             t, tokens = self.cost.plain_s(n), float(n)
-        regret = max(0.0, t - tokens / d.predicted_tok_per_s)
-        ahead = sum(remaining) * self.cost.plain_s(n) / n  # the live requests' remaining work, at plain speed
-        if self.regret_s + regret > EXPLORE_BUDGET * (self.elapsed_s + ahead):
-            return False
-        self.regret_s += regret
-        return True
+        return max(0.0, t - tokens / d.predicted_tok_per_s)
 
     def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings."""

@@ -113,12 +113,13 @@ class DFlashLane:
         if staged is None:
             raise AlignmentError(f"request {req_id}: {rows} context rows committed but no features were staged")
         start, feats = staged
-        if start != first_position or not 0 < rows <= feats.shape[0]:
+        n = feats.shape[0]
+        if start != first_position or not 0 < rows <= n:
             raise AlignmentError(
                 f"request {req_id}: commit of rows [{first_position}, {first_position + rows}) "
-                f"but the staged features cover [{start}, {start + feats.shape[0]})"
+                f"but the staged features cover [{start}, {start + n})"
             )
-        self.append_pending_context(req_id, feats[:rows], first_position)
+        self.append_pending_context(req_id, feats if rows == n else feats[:rows], first_position)
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
@@ -136,21 +137,22 @@ class DFlashLane:
         c = self._ctx.get(req_id)
         if c is None:
             raise AlignmentError(f"request {req_id}: no drafter context (start_request was not called)")
-        if feats.dim() != 2 or feats.shape[1] != self.drafter.feature_width:
+        shape = feats.shape
+        if len(shape) != 2 or shape[1] != self.drafter.feature_width:
             raise AlignmentError(
-                f"request {req_id}: feature shape {list(feats.shape)}, expected [rows, {self.drafter.feature_width}]"
+                f"request {req_id}: feature shape {list(shape)}, expected [rows, {self.drafter.feature_width}]"
             )
         if first_position != c.length + c.pending_rows:
             raise AlignmentError(
                 f"request {req_id}: features start at position {first_position}, "
                 f"but the drafter context ends at {c.length + c.pending_rows}"
             )
-        if first_position + feats.shape[0] > c.capacity:
+        if first_position + shape[0] > c.capacity:
             raise AlignmentError(
-                f"request {req_id}: context overflow, {first_position + feats.shape[0]} rows > capacity {c.capacity}"
+                f"request {req_id}: context overflow, {first_position + shape[0]} rows > capacity {c.capacity}"
             )
         c.pending.append(feats)
-        c.pending_rows += feats.shape[0]
+        c.pending_rows += shape[0]
 
     def _flush_pending(self, req_ids: list[int]) -> None:
         """Project pending rows (dense ops over many rows at once), then scatter into each context buffer.

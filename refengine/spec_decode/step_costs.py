@@ -1,5 +1,6 @@
 """The step-cost model of adaptive speculation: what a verify, a draft and a plain decode step cost, as linear
-functions of their shape, fitted online by recursive least squares on the runner's GPU-synchronised timings.
+functions of their shape, fitted online by decayed least squares with a prior on the runner's GPU-synchronised
+timings.
 
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
@@ -11,19 +12,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FORGET = 0.98  # RLS forgetting factor: old samples fade over ~50 updates of a curve
+FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
 
 
-class _Rls:
-    """Recursive least squares y ~ theta . x with forgetting, in plain Python (dimension 2 or 3)."""
+class _Fit:
+    """Least squares y ~ theta . x over exponentially decayed samples (FORGET per sample), regularised by a
+    fixed Gaussian prior (mean theta0, the given variances), kept as sufficient statistics and re-solved per
+    sample. Unlike textbook recursive least squares with forgetting, nothing winds up: a direction the data
+    never excite (every step at one batch size) falls back to the prior instead of growing without bound.
+    Plain Python, dimension 2 or 3."""
 
     def __init__(self, theta: list[float], variances: list[float]):
         n = len(theta)
-        self.theta = list(theta)
-        self.p = [[variances[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.theta, self.theta0 = list(theta), list(theta)
+        self.precision0 = [1.0 / v for v in variances]
+        self.sxx = [[0.0] * n for _ in range(n)]
+        self.sxy = [0.0] * n
         self.updates = 0
 
     def predict(self, x: list[float]) -> float:
@@ -31,36 +38,56 @@ class _Rls:
 
     def update(self, x: list[float], y: float) -> None:
         n = len(x)
-        px = [sum(self.p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = FORGET + sum(x[i] * px[i] for i in range(n))
-        k = [v / denom for v in px]
-        err = y - self.predict(x)
-        self.theta = [t + ki * err for t, ki in zip(self.theta, k)]
-        self.p = [[(self.p[i][j] - k[i] * px[j]) / FORGET for j in range(n)] for i in range(n)]
+        for i in range(n):
+            self.sxy[i] = FORGET * self.sxy[i] + x[i] * y
+            for j in range(n):
+                self.sxx[i][j] = FORGET * self.sxx[i][j] + x[i] * x[j]
+        a = [[self.sxx[i][j] + (self.precision0[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
+        b = [self.sxy[i] + self.precision0[i] * self.theta0[i] for i in range(n)]
+        self.theta = _solve(a, b)
         self.updates += 1
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a x = b for a small symmetric positive definite a (Gaussian elimination, partial pivoting)."""
+    n = len(b)
+    m = [row[:] + [v] for row, v in zip(a, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
 
 
 @dataclass
 class CostModel:
-    """V(N, R), D(M), P(N), fitted in milliseconds (RLS assumes unit noise: ~1 ms), read in seconds. Priors:
-    a memory-bound step (the fixed cost dominates), drafts cheaper."""
+    """V(N, R), D(M), P(N), fitted in milliseconds (the prior variances assume unit noise: ~1 ms), read in
+    seconds. Priors: a memory-bound step (the fixed cost dominates), drafts cheaper."""
 
-    verify: _Rls = field(default_factory=lambda: _Rls([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
-    draft: _Rls = field(default_factory=lambda: _Rls([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
-    plain: _Rls = field(default_factory=lambda: _Rls([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
+    verify: _Fit = field(default_factory=lambda: _Fit([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
+    draft: _Fit = field(default_factory=lambda: _Fit([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
+    plain: _Fit = field(default_factory=lambda: _Fit([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
 
     @classmethod
     def linear(
         cls, v0: float, v1: float, v2: float, d0: float, d1: float, p0: float | None = None, p1: float | None = None
     ) -> CostModel:
-        """A fixed model (tests, calibration results); plain decode defaults to V(N, N)."""
+        """A given model (tests, calibration results), also the prior later samples are fitted against; plain
+        decode defaults to V(N, N)."""
         m = cls()
         p0, p1 = v0 if p0 is None else p0, v1 + v2 if p1 is None else p1
-        m.verify.theta, m.draft.theta, m.plain.theta = (
-            [v0 * 1e3, v1 * 1e3, v2 * 1e3],
-            [d0 * 1e3, d1 * 1e3],
-            [p0 * 1e3, p1 * 1e3],
-        )
+        for fit, theta in (
+            (m.verify, [v0 * 1e3, v1 * 1e3, v2 * 1e3]),
+            (m.draft, [d0 * 1e3, d1 * 1e3]),
+            (m.plain, [p0 * 1e3, p1 * 1e3]),
+        ):
+            fit.theta, fit.theta0 = list(theta), list(theta)
         return m
 
     def plain_s(self, n: int) -> float:

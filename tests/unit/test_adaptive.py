@@ -230,3 +230,21 @@ def test_adaptive_never_loses_to_plain_in_simulation(p_accept, concurrency):
     # and a cold policy's calibration and first waves' learning are included
     best = max(plain, fixed)
     assert adaptive >= 0.98 * best, f"adaptive {adaptive:.0f}, plain {plain:.0f}, fixed {fixed:.0f} tok/s"
+
+
+def test_cost_fit_does_not_wind_up_on_one_batch_size():
+    # long stretches at one batch size after another (bench rows, a server's load changes): textbook recursive
+    # least squares with forgetting winds up here (measured 1393x off, a plain step "costing" 324 ms at N=1 on
+    # the H200); the decayed fit with a fixed prior stays near the truth and settles within 20 steps at a new N
+    rng = random.Random(3)
+    m = CostModel()
+    for _ in range(4):
+        for n in (1, 8, 16, 32):
+            for k in range(600):
+                m.observe(n, n, 0, 0.0, (3.9 + 0.03 * n + rng.gauss(0, 0.15)) * 1e-3)
+                if k == 20:
+                    got, want = m.plain_s(n) * 1e3, 3.9 + 0.03 * n
+                    assert abs(got - want) < 0.05 * want, f"20 steps at N={n}: P = {got:.2f} ms, truth {want:.2f}"
+            for probe in (1, 8, 16, 32):
+                got, want = m.plain_s(probe) * 1e3, 3.9 + 0.03 * probe
+                assert abs(got - want) < 0.3 * want, f"after N={n}: P({probe}) = {got:.2f} ms, truth {want:.2f}"
