@@ -119,7 +119,12 @@ class Engine:
             acceptance_override=acceptance_override,
         )
         self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp)
-        self.scheduler.bind_timings(self.runner.timings, self.runner.verify_rows, self.runner.graph_captures)
+        self.scheduler.bind_timings(
+            self.runner.timings,
+            self.runner.verify_rows,
+            self.runner.graph_captures,
+            buckets=(self.runner.batch_bucket, self.runner.draft_bucket),
+        )
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
@@ -150,8 +155,14 @@ class Engine:
 
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at
-        start-up, so no timed or served step pays a capture); returns how many were captured. No-op in eager."""
-        return self.runner.capture_graphs()
+        start-up, so no timed or served step pays a capture), and time each shape's replay to seed the adaptive
+        policy's cost table; returns how many were captured. No-op in eager."""
+        captured = self.runner.capture_graphs()
+        policy = self.scheduler.policy
+        if policy is not None and self.runner.graphs:  # the adaptive policy starts from timed replays
+            for kind, key, seconds in self.runner.shape_costs():
+                policy.cost.seed(kind, key, seconds)
+        return captured
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do at tp 1). Idempotent; the engine cannot step after."""

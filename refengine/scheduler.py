@@ -66,15 +66,19 @@ class Scheduler(StepRecovery):
         timings: dict[str, float],
         rows: Callable[[int, int], int] | None = None,
         captures: Callable[[], int] | None = None,
+        buckets: tuple[Callable[[int], int], Callable[[int], int]] | None = None,
     ) -> None:
         """The runner's cumulative GPU-synchronised timings (draft_s, verify_s): the adaptive policy's costs.
         `rows(n, real_rows)`: the rows a verify computes (graph shapes); `captures()`: graphs captured so far
-        (a step that captured one is not a cost sample)."""
+        (a step that captured one is not a cost sample); `buckets`: the batch shapes a target step / a draft of n
+        requests runs (the cost table's keys)."""
         self._timings = timings
         self._seen = tuple(timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
         self._captures = captures
         if self.policy is not None and rows is not None:
             self.policy = AdaptivePolicy(self.policy.block_size, rows=rows)
+        if self.policy is not None and buckets is not None:
+            self.policy.cost.bucket, self.policy.cost.draft_bucket = buckets
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -40,8 +40,9 @@ def throughput_fields(tokens: int, secs: float, concurrency: int, floor: float) 
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from its repeats: numeric fields are medians, tok/s also gets min / max; the rest from run 1."""
-    row = dict(runs[0])
+    """One row from its repeats: numeric fields are medians, tok/s also gets min / max; the rest (histograms,
+    the adaptive policy's cumulative summary) from the last run."""
+    row = dict(runs[-1])
     for k, v in runs[0].items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "concurrency":
             vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]

@@ -182,6 +182,7 @@ def engine_for(
     max_model_len: int,
     override: AcceptanceOverride | None,
     graph_mode: str | None = None,
+    num_blocks: int | None = None,
 ):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
@@ -195,6 +196,7 @@ def engine_for(
         max_model_len=max_model_len,
         speculation="adaptive" if mode == "adaptive" else "fixed",
         graph_mode=graph_mode,
+        num_blocks=num_blocks,
     )
     return Engine(cfg, acceptance_override=override if mode != "plain" else None)
 

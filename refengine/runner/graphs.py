@@ -20,6 +20,7 @@ capture at the first step's rows, replay every later step of that bucket with on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -192,6 +193,7 @@ class GraphRunner:
         bucket, cap = self.shape_for(n, rows)
         return bucket * cap
 
+    @torch.inference_mode()
     def capture_all(self) -> int:
         """Capture every shape now (bench / server start-up: no capture inside a timed or served step);
         returns how many were new."""
@@ -200,6 +202,29 @@ class GraphRunner:
             for cap in self.caps:
                 self._graph(bucket, cap, bucket * cap)
         return self.captures - before
+
+    @torch.inference_mode()
+    def time_shapes(self, reps: int = 3) -> dict[tuple[int, int], float]:
+        """Seconds per replay of every captured shape on the dummy pages (the adaptive policy's start-up cost
+        table). Inputs and written slots are reset to the dummy pages first, so no request's KV is touched."""
+        out = {}
+        pool = self.stack.pool
+        dummy = pool.dummy_blocks[0] * pool.page_size
+        for (bucket, cap), g in self.graphs.items():
+            for buf in (g.state.ids, g.state.positions):
+                buf.zero_()
+            g.state.slots.fill_(dummy)
+            if g.buffers.context is not None:
+                g.buffers.context.slots.fill_(dummy)
+            self._plan_dummy(g.attention, bucket, g.rows)
+            _sync(g.state.ids)
+            t = time.perf_counter()
+            for _ in range(reps):
+                for piece in g.pieces:
+                    piece()
+            _sync(g.state.ids)
+            out[(bucket, cap)] = (time.perf_counter() - t) / reps
+        return out
 
     def _attention_for(self, bucket: int):
         att = self._attention.get(bucket)
@@ -286,6 +311,11 @@ class GraphRunner:
         g.replay(batch, inputs)
         self.replays += 1
         return g
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def _truncate(steps: list[StepRow], rows: int) -> list[StepRow]:

@@ -51,6 +51,29 @@ class ModelRunner:
         runners = list(self.graphs.values()) + [getattr(self.proposer, "graph", None)]
         return sum(r.capture_all() for r in runners if r is not None)
 
+    def batch_bucket(self, n: int) -> int:
+        """The batch shape a decode or verify step of n requests runs (n itself when eager)."""
+        runner = self.graphs.get("decode")
+        return (runner.bucket_for(n) if runner is not None else None) or n
+
+    def draft_bucket(self, m: int) -> int:
+        """The batch shape a draft of m requests runs (m itself when eager)."""
+        runner = getattr(self.proposer, "graph", None)
+        return (runner.bucket_for(m) if runner is not None else None) or m
+
+    def shape_costs(self) -> list[tuple[str, object, float]]:
+        """Timed replays of the captured shapes as (kind, key, seconds): ('plain', bucket), ('verify', (bucket,
+        rows)), ('draft', bucket): the adaptive policy's start-up cost table."""
+        out: list[tuple[str, object, float]] = []
+        for kind, runner in (("plain", self.graphs.get("decode")), ("verify", self.graphs.get("verify"))):
+            if runner is not None:
+                for (bucket, cap), s in runner.time_shapes().items():
+                    out.append((kind, bucket if kind == "plain" else (bucket, bucket * cap), s))
+        draft = getattr(self.proposer, "graph", None)
+        if draft is not None:
+            out += [("draft", bucket, s) for (bucket, _), s in draft.time_shapes().items()]
+        return out
+
     def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
         Returns the argmax of every real row per request, and stages every request's tap features when
@@ -125,6 +148,7 @@ class ModelRunner:
             r += n
         return out_argmax, out_topk
 
+    @torch.inference_mode()  # graph buffers are inference tensors wherever they were first made
     def execute(self, plan: Plan) -> StepResult:
         t0 = time.perf_counter()
         if isinstance(plan, PrefillPlan):

@@ -1,6 +1,7 @@
-"""The step-cost model of adaptive speculation: what a verify, a draft and a plain decode step cost, as linear
-functions of their shape, fitted online by decayed least squares with a prior on the runner's GPU-synchronised
-timings.
+"""The step-cost model of adaptive speculation: what a verify, a draft and a plain decode step cost. Per step
+shape a measured time (timed graph replays at start-up, then a moving average of the runner's GPU-synchronised
+step times); for shapes never measured, linear functions of the shape fitted online by decayed least squares
+with a prior.
 
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
@@ -10,8 +11,10 @@ P is its own curve because the decode graph is not the verify graph at one row p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+TABLE_WEIGHT = 0.2  # a step's weight in its shape's moving average
 FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
@@ -65,14 +68,24 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def _same(n: int) -> int:
+    return n
+
+
 @dataclass
 class CostModel:
-    """V(N, R), D(M), P(N), fitted in milliseconds (the prior variances assume unit noise: ~1 ms), read in
-    seconds. Priors: a memory-bound step (the fixed cost dominates), drafts cheaper."""
+    """V(N, R), D(M), P(N) in seconds: per step shape, a table of measured times (seeded from timed graph
+    replays at start-up, then an exponential moving average of the steps of that shape, TABLE_WEIGHT each);
+    shapes never measured fall back to linear fits in milliseconds (the prior variances assume unit noise:
+    ~1 ms; priors: a memory-bound step where the fixed cost dominates, drafts cheaper). `bucket` /
+    `draft_bucket` map a request count to the batch shape its step runs (graph buckets; eager: itself)."""
 
     verify: _Fit = field(default_factory=lambda: _Fit([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
     draft: _Fit = field(default_factory=lambda: _Fit([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
     plain: _Fit = field(default_factory=lambda: _Fit([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
+    bucket: Callable[[int], int] = _same
+    draft_bucket: Callable[[int], int] = _same
+    tables: dict[str, dict] = field(default_factory=lambda: {"verify": {}, "draft": {}, "plain": {}})
 
     @classmethod
     def linear(
@@ -91,18 +104,37 @@ class CostModel:
         return m
 
     def plain_s(self, n: int) -> float:
-        return max(self.plain.predict([1.0, n]), 1e-3) * 1e-3
+        t = self.tables["plain"].get(self.bucket(n))
+        return t if t is not None else max(self.plain.predict([1.0, n]), 1e-3) * 1e-3
 
     def verify_s(self, n: int, rows: int) -> float:
-        return max(self.verify.predict([1.0, n, rows]), 1e-3) * 1e-3
+        t = self.tables["verify"].get((self.bucket(n), rows))
+        return t if t is not None else max(self.verify.predict([1.0, n, rows]), 1e-3) * 1e-3
 
     def draft_s(self, m: int) -> float:
-        return max(self.draft.predict([1.0, m]), 0.0) * 1e-3 if m else 0.0
+        if not m:
+            return 0.0
+        t = self.tables["draft"].get(self.draft_bucket(m))
+        return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
 
     def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
+        """One step of n requests computing `rows` rows (`drafted` of them drafting), and its times."""
         if not drafted and rows == n:
             self.plain.update([1.0, n], verify_s * 1e3)
+            self._average("plain", self.bucket(n), verify_s)
             return
         self.verify.update([1.0, n, rows], verify_s * 1e3)
+        self._average("verify", (self.bucket(n), rows), verify_s)
         if drafted:
             self.draft.update([1.0, drafted], draft_s * 1e3)
+            self._average("draft", self.draft_bucket(drafted), draft_s)
+
+    def seed(self, kind: str, key, seconds: float) -> None:
+        """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket)."""
+        self.tables[kind][key] = seconds
+        x = [1.0, key[0], key[1]] if kind == "verify" else [1.0, key]
+        getattr(self, kind).update(x, seconds * 1e3)
+
+    def _average(self, kind: str, key, seconds: float) -> None:
+        old = self.tables[kind].get(key)
+        self.tables[kind][key] = seconds if old is None else old + TABLE_WEIGHT * (seconds - old)

@@ -243,8 +243,21 @@ def test_cost_fit_does_not_wind_up_on_one_batch_size():
             for k in range(600):
                 m.observe(n, n, 0, 0.0, (3.9 + 0.03 * n + rng.gauss(0, 0.15)) * 1e-3)
                 if k == 20:
-                    got, want = m.plain_s(n) * 1e3, 3.9 + 0.03 * n
+                    got, want = m.plain.predict([1.0, n]), 3.9 + 0.03 * n  # the fit itself, not the table
                     assert abs(got - want) < 0.05 * want, f"20 steps at N={n}: P = {got:.2f} ms, truth {want:.2f}"
             for probe in (1, 8, 16, 32):
-                got, want = m.plain_s(probe) * 1e3, 3.9 + 0.03 * probe
+                got, want = m.plain.predict([1.0, probe]), 3.9 + 0.03 * probe
                 assert abs(got - want) < 0.3 * want, f"after N={n}: P({probe}) = {got:.2f} ms, truth {want:.2f}"
+
+
+def test_measured_shapes_override_the_fit():
+    # timed replays seed a table per shape; steps of that shape move it by a moving average; other shapes are
+    # read from the fit
+    m = CostModel(bucket=lambda n: 8 if n <= 8 else 16, draft_bucket=lambda n: 8 if n <= 8 else 16)
+    m.seed("plain", 8, 4.0e-3)
+    m.seed("verify", (8, 32), 4.4e-3)
+    m.seed("draft", 8, 1.5e-3)
+    assert m.plain_s(5) == 4.0e-3 and m.verify_s(6, 32) == 4.4e-3 and m.draft_s(3) == 1.5e-3
+    m.observe(6, 32, 3, 2.0e-3, 5.0e-3)
+    assert abs(m.verify_s(6, 32) - 4.52e-3) < 1e-9 and abs(m.draft_s(1) - 1.6e-3) < 1e-9
+    assert m.verify_s(12, 64) == max(m.verify.predict([1.0, 12, 64]), 1e-3) * 1e-3  # never measured: the fit

@@ -1,7 +1,8 @@
 """`refengine bench` on the CPU with quick settings (the tiny pairs, concurrency 1,2, a few tokens, 1 repeat):
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels),
 that a rejected request fails the run (exit 2 and a message), that a profile run labels every speculating
-row and reproduces the profile's tau, the bundled prompt sets, and the HF peer row.
+row and reproduces the profile's tau, that the modes' runs are interleaved (plain in every cell), the bundled
+prompt sets, and the HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -90,6 +91,39 @@ def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):
     assert "profile tau2.5" in err
     for r in spec:
         assert abs(r["tau"] - 2.5) <= 0.3, r
+
+
+def test_bench_interleaves_the_modes_runs(monkeypatch):
+    """Engines side by side, one run per mode in turn within each (concurrency, profile) cell, plain in every
+    cell: a clock drift over the session falls on every mode alike."""
+    import refengine.bench.suite as suite
+
+    order: list[tuple[str, str, int]] = []
+    measure = suite.measure_row
+
+    def spy(engine, mode, label, batch, *rest):
+        order.append((mode, label, len(batch)))
+        return measure(engine, mode, label, batch, *rest)
+
+    monkeypatch.setattr(suite, "measure_row", spy)
+    res = suite.bench(
+        str(RANDOM_PAIR / "target"),
+        str(RANDOM_PAIR / "draft"),
+        device="cpu",
+        synthetic=False,
+        concurrency=[1, 2],
+        prompt_len=8,
+        output_tokens=3,
+        repeats=2,
+        profiles=["tau1", "tau3"],
+    )
+    cell = [("plain", "-"), ("dflash", "profile tau1"), ("adaptive", "profile tau1")] * 2
+    assert [(m, a) for m, a, c in order[:6]] == cell and all(c == 1 for *_, c in order[:6]), order[:6]
+    assert [m for m, *_ in order[6:12]] == ["plain", "dflash", "adaptive"] * 2
+    assert len(order) == 2 * 2 * 2 * 3
+    plain = [r for r in res["rows"] if r["mode"] == "plain"]
+    assert len(plain) == 2 and all(r["repeats"] == 4 for r in plain), "plain row: its runs from every cell"
+    assert res["kv_blocks_per_engine"] > 0 and res["settle_s"] == 0.0
 
 
 def test_bundled_prompt_sets():

@@ -145,9 +145,34 @@ def test_steps_that_capture_a_graph_are_not_cost_samples(trained_pair):
         )
         if warm:
             assert engine.capture_graphs() > 0
-        greedy(engine, [[5, 7, 9]], 30)
         policy = engine.scheduler.policy
         assert policy is not None
-        fits = policy.cost.verify.updates + policy.cost.plain.updates
+        seeded = policy.cost.verify.updates + policy.cost.plain.updates  # the timed replays of capture_graphs
+        greedy(engine, [[5, 7, 9]], 30)
+        fits = policy.cost.verify.updates + policy.cost.plain.updates - seeded
         steps = engine.scheduler.plan_counts["verify"] + engine.scheduler.plan_counts["decode"]
         assert (fits == steps) if warm else (0 < fits < steps), f"warm={warm}: {fits} cost samples, {steps} steps"
+
+
+def test_timing_the_shapes_touches_no_request(trained_pair):
+    """capture_graphs times every shape's replay (the adaptive policy's start-up cost table) on the dummy
+    pages: called mid-run, with live requests' KV and drafter context in the pools, the outputs stay exact."""
+    prompts, budgets = [[5, 7, 9], [11, 12, 13, 14, 15]], [40, 33]
+    want = greedy(cpu_engine(trained_pair.target), prompts, budgets)
+    engine = cpu_engine(
+        trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive"
+    )
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    for _ in range(4):
+        engine.step()
+    assert engine.capture_graphs() > 0
+    policy = engine.scheduler.policy
+    assert policy is not None
+    tables = policy.cost.tables
+    assert tables["plain"] and tables["draft"] and len(tables["verify"]) == len(engine.runner.graphs["verify"].graphs)
+    assert all(t > 0 for kind in tables.values() for t in kind.values())
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+    for i, (r, w) in enumerate(zip(reqs, want)):
+        assert_same_tokens(r.output_ids, w, f"request {i} (shapes timed mid-run)")
