@@ -27,8 +27,10 @@ Model (all online, with priors):
   (calibration); then the losing kind (plain vs. speculating at full span) is tried every `interval` steps,
   the interval doubling (MIN_EXPLORE .. MAX_EXPLORE) while the choice holds and dropping back when it
   flips; and requests the choice leaves at span 1 are probed with a full block while they are new (up to
-  PROBE_STEPS drafting steps, as long as each accepts something), as many as the budget affords. So where
-  plain wins, adaptive loses about EXPLORE_BUDGET to plain decode, plus the error of its predictions.
+  PROBE_STEPS drafting steps, as long as each accepts something), as many as the budget affords. The first
+  of those probes is not budgeted: every request drafts a full block on its first step, so the population
+  rate follows the requests now running. So where plain wins, adaptive loses one speculative step per
+  request plus about EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def real_rows(n: int, rows: int) -> int:
 
 
 DECAY = 0.9
-POP_DECAY = 0.99  # per request-observation: the population rate follows the workload over ~100 of them
+POP_DECAY = 0.95  # per request-observation: the population rate follows the workload over ~20 of them
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
 SPEC_MARGIN = 1.02  # speculation must be predicted this much faster than plain decode
 PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
@@ -159,6 +161,9 @@ class AdaptivePolicy:
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
     last_mean_alpha: float | None = None
     _decisions_before: int = 0
+    _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
+    _cache_key: tuple | None = None
+    _cached: Decision | None = None
 
     def __post_init__(self) -> None:
         self.rows = functools.lru_cache(maxsize=4096)(self.rows)  # a pure function of (n, rows): memoised
@@ -182,7 +187,11 @@ class AdaptivePolicy:
         for r in req_ids:
             sr, fr = self.counts.get(r, (0.0, 0.0))
             alphas.append((sr + PRIOR_WEIGHT * pop) / (sr + fr + PRIOR_WEIGHT))
-        d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
+        key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
+        d = self._cached if self._cache_key == key and self._cached is not None else None
+        if d is None:  # nothing learnt and no request changed since a plain decision: it still holds
+            d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
+            self._cache_key, self._cached = key, (d if d.cap == 1 else None)
         self.last_mean_alpha = sum(alphas) / len(alphas)
         self.steps += 1
         self.last = d
@@ -195,7 +204,9 @@ class AdaptivePolicy:
             trial = [1] * n if spec else [max(1, min(b, r)) for r in remaining]
             budget = self._budget(remaining)
             regret = self._regret(trial, alphas, d)
-            if regret <= budget:
+            if regret > budget:
+                self._next_explore = self.steps + MIN_EXPLORE  # not affordable yet: look again later
+            else:
                 self.regret_s += regret
                 same = self._explored_kind == spec
                 self._explored_kind = spec
@@ -203,8 +214,17 @@ class AdaptivePolicy:
                 self._next_explore = self.steps + self.interval
                 self.explored += 1
                 return trial
+        new = [i for i, r in enumerate(req_ids) if d.spans[i] == 1 and remaining[i] > 1 and r not in self.drafted]
+        if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once
+            spans = list(d.spans)
+            for i in new:
+                spans[i] = min(b, remaining[i])
+            self.regret_s += self._regret(spans, alphas, d)
+            self.probes += len(new)
+            self.caps[d.cap] += 1
+            return spans
         fresh = [i for i, r in enumerate(req_ids) if d.spans[i] == 1 and remaining[i] > 1 and self._probing(r)]
-        if fresh:  # probe requests still being learnt with a full block, as many as the budget affords
+        if fresh:  # follow-up probes of requests still being learnt, as many as the budget affords
             budget = self._budget(remaining) if budget is None else budget
             trial = list(d.spans)
             trial[fresh[0]] = min(b, remaining[fresh[0]])
@@ -263,6 +283,7 @@ class AdaptivePolicy:
         rejected = 1.0 if accepted < span - 1 else 0.0
         s, f = self.counts.get(req_id, (0.0, 0.0))
         self.counts[req_id] = (DECAY * s + accepted, DECAY * f + rejected)
+        self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
         ps, pf = self.population
         self.population = (POP_DECAY * ps + accepted, POP_DECAY * pf + rejected)

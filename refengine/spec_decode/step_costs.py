@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TABLE_WEIGHT = 0.2  # a step's weight in its shape's moving average
+SOLVE_EVERY = 4  # after the first few samples, the fit is re-solved every SOLVE_EVERY-th
 FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
@@ -45,10 +46,12 @@ class _Fit:
             self.sxy[i] = FORGET * self.sxy[i] + x[i] * y
             for j in range(n):
                 self.sxx[i][j] = FORGET * self.sxx[i][j] + x[i] * x[j]
+        self.updates += 1
+        if self.updates > SOLVE_EVERY and self.updates % SOLVE_EVERY:
+            return  # the sums are current; re-solving every few samples is plenty (and saves host time)
         a = [[self.sxx[i][j] + (self.precision0[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         b = [self.sxy[i] + self.precision0[i] * self.theta0[i] for i in range(n)]
         self.theta = _solve(a, b)
-        self.updates += 1
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

