@@ -324,4 +324,8 @@ class AdaptivePolicy:
             "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
             "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None else None,
             "population_acceptance_alpha": round(self.population_alpha(), 4),
+            "cost_table_ms": {
+                kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
+                for kind, table in self.cost.tables.items()
+            },
         }

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 TABLE_WEIGHT = 0.2  # a step's weight in its shape's moving average
+SPIKE = 2.0  # a sample counts for at most this multiple of the current estimate
 SOLVE_EVERY = 4  # after the first few samples, the fit is re-solved every SOLVE_EVERY-th
 FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
@@ -121,11 +122,16 @@ class CostModel:
         return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
 
     def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        """One step of n requests computing `rows` rows (`drafted` of them drafting), and its times."""
+        """One step of n requests computing `rows` rows (`drafted` of them drafting), and its times. A sample
+        over SPIKE x the current estimate (a garbage-collector pause, another process on the device) counts
+        as SPIKE x: one stall must not make a shape look slow for the next dozens of steps."""
         if not drafted and rows == n:
+            verify_s = min(verify_s, SPIKE * self.plain_s(n))
             self.plain.update([1.0, n], verify_s * 1e3)
             self._average("plain", self.bucket(n), verify_s)
             return
+        verify_s = min(verify_s, SPIKE * self.verify_s(n, rows))
+        draft_s = min(draft_s, SPIKE * self.draft_s(drafted)) if drafted else draft_s
         self.verify.update([1.0, n, rows], verify_s * 1e3)
         self._average("verify", (self.bucket(n), rows), verify_s)
         if drafted:

@@ -262,3 +262,12 @@ def test_measured_shapes_override_the_fit():
     m.observe(6, 32, 3, 2.0e-3, 5.0e-3)
     assert abs(m.verify_s(6, 32) - 4.52e-3) < 1e-9 and abs(m.draft_s(1) - 1.6e-3) < 1e-9
     assert m.verify_s(12, 64) == max(m.verify.predict([1.0, 12, 64]), 1e-3) * 1e-3  # never measured: the fit
+
+
+def test_one_stall_does_not_make_a_shape_look_slow():
+    # a 50 ms pause inside one 4 ms decode step (a gc pass): the shape's estimate rises by at most one SPIKE-capped
+    # sample's share, so plain decode does not suddenly look 3x slower than speculation
+    m = CostModel()
+    m.seed("plain", 8, 4.0e-3)
+    m.observe(8, 8, 0, 0.0, 50e-3)
+    assert m.plain_s(8) < 5.0e-3, m.plain_s(8)
