@@ -155,7 +155,7 @@ class AdaptivePolicy:
     probes: int = 0  # new requests given a full block to measure their acceptance
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
-    searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins)
+    searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
@@ -189,7 +189,8 @@ class AdaptivePolicy:
             alphas.append((sr + PRIOR_WEIGHT * pop) / (sr + fr + PRIOR_WEIGHT))
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
         d = self._cached if self._cache_key == key and self._cached is not None else None
-        if d is None:  # nothing learnt and no request changed since a plain decision: it still holds
+        reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
+        if d is None:
             d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
             self._cache_key, self._cached = key, (d if d.cap == 1 else None)
         self.last_mean_alpha = sum(alphas) / len(alphas)
@@ -242,7 +243,7 @@ class AdaptivePolicy:
                     return trial
                 k //= 2
         self.caps[d.cap] += 1
-        self.searched += d.searched
+        self.searched += d.searched and not reused
         return d.spans
 
     def _budget(self, remaining: list[int]) -> float:
