@@ -20,8 +20,9 @@ from refengine.models.qwen3 import Qwen3Model
 from refengine.parallel import TensorParallelGroup, shard_target
 from refengine.plan import Plan, validate_result
 from refengine.request import FinishReason, Request, SamplingParams, SpecStats
+from refengine.runner.capture import Capturer
 from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
-from refengine.runner.graphs import Capturer, GraphRunner
+from refengine.runner.graphs import GraphRunner
 from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler

@@ -14,7 +14,8 @@ from refengine.models.dflash import DFlashDrafter
 from refengine.models.kernels import kernels_for
 from refengine.models.qwen3 import Qwen3Model
 from refengine.models.segmented import SegmentedStack, merge_layer
-from refengine.runner.graphs import Capturer, GraphRunner, row_caps
+from refengine.runner.capture import Capturer
+from refengine.runner.graphs import GraphRunner, row_caps
 
 
 def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> Callable[[int], object]:

@@ -29,6 +29,7 @@ import torch
 from refengine.attention.base import AttnBatch
 from refengine.kv.pool import KvPool
 from refengine.models.segmented import SegmentedStack, StepState
+from refengine.runner.capture import Capturer, sync
 
 
 def row_caps(span: int) -> tuple[int, ...]:
@@ -54,32 +55,6 @@ class StepRow:
     start: int
     tokens: list[int]
     kv_len: int  # keys the request attends: start + len(tokens) (verify) or start + B (draft)
-
-
-class Capturer:
-    """Records a callable as a CUDA graph on a private stream sharing one memory pool (replays are sequential).
-    The CPU fake (`Capturer(device='cpu')`) just calls it again on replay: the graph logic runs in CPU tests."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        # One side stream for every warm-up and capture: the caching allocator keeps freed blocks per stream,
-        # so a stream per capture would strand each warm-up's temporaries (measured: 1.25 GB for 37 pieces).
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-
-    def capture(self, fn: Callable[[], None]) -> Callable[[], None]:
-        if not self.cuda:
-            return fn
-        stream = self.stream
-        assert stream is not None
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()  # warm-up outside capture: cuBLAS handles, lazy allocations, first-use initialisation
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-            fn()
-        return graph.replay
 
 
 class StepGraph:
@@ -217,12 +192,12 @@ class GraphRunner:
             if g.buffers.context is not None:
                 g.buffers.context.slots.fill_(dummy)
             self._plan_dummy(g.attention, bucket, g.rows)
-            _sync(g.state.ids)
+            sync(g.state.ids)
             t = time.perf_counter()
             for _ in range(reps):
                 for piece in g.pieces:
                     piece()
-            _sync(g.state.ids)
+            sync(g.state.ids)
             out[(bucket, cap)] = (time.perf_counter() - t) / reps
         return out
 
@@ -311,11 +286,6 @@ class GraphRunner:
         g.replay(batch, inputs)
         self.replays += 1
         return g
-
-
-def _sync(t: torch.Tensor) -> None:
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
 
 
 def _truncate(steps: list[StepRow], rows: int) -> list[StepRow]:

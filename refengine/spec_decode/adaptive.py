@@ -7,20 +7,19 @@ Model (all online, with priors):
   decayed counts: after a verify of span S accepting m drafts, s_i <- DECAY*s_i + m and f_i <- DECAY*f_i +
   [m < S-1] (a rejection was seen); a_i = (s_i + W*A) / (s_i + f_i + W), where A, the population rate, is
   the same estimate over every request's observations (decayed per observation) and W = PRIOR_WEIGHT. So a
-  new request starts at what the workload has been accepting, and drafts only if that pays. The expected
+  new request starts at what the workload has been accepting (and its first-step probe adds its own). The expected
   tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
-- cost: a verify step of N requests and R executed rows costs V(N, R) = v0 + v1*N + v2*R, where R is what the
-  runner computes (`executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the real
-  rows); a draft step for M requests D(M) = d0 + d1*M (0 when M = 0); a step where every span is 1 runs no
-  draft and is a plain decode step (the one-row decode graph, taps included), P(N) = p0 + p1*N. All three
-  are fitted online (refengine.spec_decode.step_costs) on the runner's GPU-synchronised timings of steps that
-  captured no graph, starting from priors.
-- decision: for each cap S in 2..B, every request gets s_i = min(S, remaining_i); requests are then switched to
-  span 1 lowest gain first (k = 0..K), and the choice maximising
+- cost (refengine/spec_decode/step_costs.py): V(N, R) for a verify of N requests computing R rows (R is what
+  the runner computes, `executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the
+  real rows), D(M) for a draft of M requests, P(N) for a step where every span is 1 (a plain decode step,
+  the one-row decode graph with taps): a measured time per step shape (timed graph replays, then a moving
+  average of the runner's GPU-synchronised times of steps that captured no graph), linear fits elsewhere.
+- decision (refengine/spec_decode/span_choice.py): for each cap S in 2..B every request gets min(S,
+  remaining_i); requests are then switched to span 1 lowest gain first, and the choice maximising
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, R(sum_i s_i)))
   wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
-  choice loses more than a wrong plain one). An O(N) upper bound on any spec choice skips the search when
-  plain clearly wins (the steady state at low acceptance costs almost no host time).
+  choice loses more than a wrong plain one). An O(N) upper bound skips the search when plain clearly wins,
+  and a plain decision is reused until an observation arrives or the batch changes.
 - exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
   spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
   far plus the live requests' remaining work at plain speed. Each curve is measured once at start-up
@@ -37,104 +36,17 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from refengine.spec_decode.span_choice import Decision, RowsFn, choose_spans, expected_tokens, real_rows
 from refengine.spec_decode.step_costs import CostModel
-
-RowsFn = Callable[[int, int], int]  # (requests, real rows) -> rows the verify actually computes
-
-
-def real_rows(n: int, rows: int) -> int:
-    """The eager runner computes exactly the step's rows."""
-    return rows
-
 
 DECAY = 0.9
 POP_DECAY = 0.95  # per request-observation: the population rate follows the workload over ~20 of them
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
-SPEC_MARGIN = 1.02  # speculation must be predicted this much faster than plain decode
 PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
 EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
-
-
-def expected_tokens(alpha: float, span: int) -> float:
-    """E[committed] for a span under geometric acceptance alpha: 1 + alpha + ... + alpha^(span-1)."""
-    return float(span) if alpha >= 1.0 else (1.0 - alpha**span) / (1.0 - alpha)
-
-
-@dataclass(frozen=True)
-class Decision:
-    spans: list[int]
-    predicted_tok_per_s: float
-    plain_tok_per_s: float  # the same step as plain decode (every span 1)
-    cap: int  # the S of the winning candidate (1 = plain)
-    searched: bool = True  # False: the upper bound showed plain wins, no span was evaluated
-
-
-def _spec_bound(alphas: list[float], remaining: list[int], block: int, cost: CostModel, rows: RowsFn) -> float:
-    """An upper bound on any speculating choice's rate: every request's largest gain over the cheapest
-    speculating step. D and V are linear in the drafting requests and the executed rows, so their minima
-    over a choice lie at the ends of those ranges, whatever the signs of the fitted slopes."""
-    n = len(alphas)
-    gain = sum(expected_tokens(a, min(block, r)) - 1.0 for a, r in zip(alphas, remaining) if r > 1)
-    draft = min(cost.draft_s(1), cost.draft_s(n))
-    verify = min(cost.verify_s(n, rows(n, n + 1)), cost.verify_s(n, rows(n, n * block)))
-    return (n + gain) / (draft + verify)
-
-
-def choose_spans(
-    alphas: list[float], remaining: list[int], block: int, cost: CostModel, rows: RowsFn = real_rows
-) -> Decision:
-    """The span per request maximising predicted committed tokens / second (see the module docstring).
-
-    Requests are switched to span 1 lowest acceptance first (for a common span the gain E(S) - 1 rises with
-    the acceptance). O(B * N) arithmetic, skipped by an O(N) bound when plain clearly wins."""
-    n = len(alphas)
-    plain_rate = n / cost.plain_s(n)
-    plain = Decision([1] * n, plain_rate, plain_rate, 1)
-    if not any(r > 1 for r in remaining):
-        return plain
-    if _spec_bound(alphas, remaining, block, cost, rows) <= plain_rate * SPEC_MARGIN:
-        return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
-    order = sorted(range(n), key=lambda i: alphas[i])
-    # cum[i][s] = E_i(s) for s = 0..block (E(0) = 0)
-    cum = []
-    for a in alphas:
-        row, term, acc = [0.0], 1.0, 0.0
-        for _ in range(block):
-            acc += term
-            row.append(acc)
-            term *= a
-        cum.append(row)
-    draft_cost = [cost.draft_s(m) for m in range(n + 1)]
-    v0, v1, v2 = (t * 1e-3 for t in cost.verify.theta)
-    v_fixed = v0 + v1 * n
-    verify_cost = [v_fixed + v2 * rows(n, r) for r in range(n * block + 1)]  # by real rows
-    best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
-    for cap in range(2, block + 1):
-        spans = [cap if remaining[i] >= cap else max(1, remaining[i]) for i in order]
-        gains = [cum[i][s] - 1.0 for i, s in zip(order, spans)]
-        gain, total = sum(gains), sum(spans)
-        drafted = sum(1 for s in spans if s > 1)
-        for k in range(n):  # the k lowest-acceptance requests at span 1
-            if k:
-                gain -= gains[k - 1]
-                total -= spans[k - 1] - 1
-                drafted -= spans[k - 1] > 1
-            if not drafted:
-                break
-            denom = draft_cost[drafted] + verify_cost[total]
-            if denom > 0 and (n + gain) > best_rate * denom:
-                best_rate, best_k, best_cap = (n + gain) / denom, k, cap
-    if best_cap == 1:
-        return plain
-    chosen = [1] * n
-    for rank, i in enumerate(order):
-        if rank >= best_k:
-            chosen[i] = max(1, min(best_cap, remaining[i]))
-    return Decision(chosen, best_rate, plain_rate, best_cap)
 
 
 @dataclass

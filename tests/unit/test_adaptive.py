@@ -15,7 +15,8 @@ import pytest
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import AdaptivePolicy, _spec_bound, choose_spans, expected_tokens
+from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.span_choice import _spec_bound, choose_spans, expected_tokens
 from refengine.spec_decode.step_costs import CostModel
 
 B = 16
