@@ -20,8 +20,9 @@ from golden.acceptance import acceptance_batch_invariance_gate, acceptance_gate,
 from golden.errors import GoldenError, RecordError
 from golden.gates import DRAFT_MARGIN_TOL
 from golden.oracle_dflash import oracle_spec_generate
+from golden.pairs import pair_spec
 from golden.records import AcceptanceRecord, read_records, write_jsonl
-from golden.regen import load_golden, pair_spec
+from golden.regen import load_golden
 from golden.regen_acceptance import compare_acceptance, deciding_margins
 
 

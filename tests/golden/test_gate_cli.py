@@ -22,8 +22,9 @@ import pytest
 
 from golden import hf_reference
 from golden.oracle_dflash import oracle_spec_generate
+from golden.pairs import pair_spec
 from golden.records import GreedyRecord, write_jsonl
-from golden.regen import load_golden, pair_spec
+from golden.regen import load_golden
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "golden" / "data"

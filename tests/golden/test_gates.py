@@ -263,10 +263,10 @@ def test_record_validation():
 def test_hf_gate_on_stored_goldens():
     """End to end on real data: live HF fp32 passes even the fp32 tolerances against the stored
     goldens; the same model with one context token corrupted (a KV-slot bug) fails the bf16 ones."""
-    from golden import hf_reference, regen
+    from golden import hf_reference, pairs, regen
 
     stored = regen.load_golden("tiny-random")
-    target_dir = regen.pair_spec("tiny-random").target_dir
+    target_dir = pairs.pair_spec("tiny-random").target_dir
     chosen = stored.topk[8:11] + stored.topk[-1:]  # short and long (256 + 24) sequences
     live = hf_reference.teacher_forced_topk(target_dir, {r.name: r.token_ids for r in chosen}, k=8)
     report = hf_gate(live, chosen, FP32)

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from golden import hf_reference, regen
+from golden import hf_reference, pairs, regen
 from golden.oracle_dflash import OracleDFlash, oracle_spec_generate, read_safetensors
 
-PAIR = regen.pair_spec("tiny-random")
+PAIR = pairs.pair_spec("tiny-random")
 TARGET, DRAFT = PAIR.target_dir, PAIR.draft_dir
 
 
@@ -247,9 +247,9 @@ def test_eos_inside_a_committed_run_truncates():
 @pytest.mark.slow
 def test_regen_live_matches_stored_goldens():
     stored = regen.load_golden("tiny-random")
-    assert stored.manifest["weights_sha256"] == regen.weight_hashes(PAIR), "fixture changed: regenerate"
+    assert stored.manifest["weights_sha256"] == pairs.weight_hashes(PAIR), "fixture changed: regenerate"
     names = [r.name for r in stored.greedy][::12]  # 4 sequences across the length range
-    spec = regen.spec_from_manifest(PAIR, stored.manifest)
+    spec = pairs.spec_from_manifest(PAIR, stored.manifest)
     errors, stats = regen.compare(stored, regen.generate(spec, names=names, progress=False))
     assert not errors, "\n".join(errors[:20])
     assert stats["sequences"] == len(names) and stats["max_delta"] <= regen.LOGPROB_TOL

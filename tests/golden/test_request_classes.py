@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from golden import hf_reference
-from golden.regen import pair_spec, text_prompts
+from golden.pairs import pair_spec, text_prompts
 from refengine import FinishReason, SamplingParams
 from refengine.errors import IntegrityError
 from tests.adapter import (

@@ -18,7 +18,7 @@ import pytest
 
 from golden import hf_reference
 from golden.features import feature_check
-from golden.regen import pair_spec, text_prompts
+from golden.pairs import pair_spec, text_prompts
 from refengine import SamplingParams
 from tests.adapter import (
     FeatureRecorder,
