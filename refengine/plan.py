@@ -25,9 +25,9 @@ class PrefillPlan:
 @dataclass
 class DecodePlan:
     requests: list[Request]
-    # capture drafter features of the decoded row: speculating requests the adaptive policy put all at span 1
-    # (a plain decode step that keeps their drafter context aligned); empty = capture nothing
-    capture: list[bool] = field(default_factory=list)
+    # capture every request's drafter features of the decoded row: the speculating requests, when the
+    # adaptive policy put them all at span 1 (a plain decode step that keeps their drafter context aligned)
+    capture: bool = False
 
 
 @dataclass
@@ -87,7 +87,10 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"request {rid}: token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
-        flags = [] if isinstance(plan, VerifyPlan) else plan.capture
-        captures = isinstance(plan, VerifyPlan) or (i < len(flags) and flags[i])
+        captures = (
+            isinstance(plan, VerifyPlan)
+            or (isinstance(plan, DecodePlan) and plan.capture)
+            or (isinstance(plan, PrefillPlan) and plan.capture[i])
+        )
         if captures and rid not in staged:
             raise StepError(f"request {rid}: no drafter features were staged for its {rows}-row step")

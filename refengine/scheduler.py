@@ -75,10 +75,8 @@ class Scheduler(StepRecovery):
         self._timings = timings
         self._seen = tuple(timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
         self._captures = captures
-        if self.policy is not None and rows is not None:
-            self.policy = AdaptivePolicy(self.policy.block_size, rows=rows)
-        if self.policy is not None and buckets is not None:
-            self.policy.cost.bucket, self.policy.cost.draft_bucket = buckets
+        if self.policy is not None:
+            self.policy.bind_shapes(rows, buckets)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -183,14 +181,15 @@ class Scheduler(StepRecovery):
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
             spans = [min(s, r.remaining) for s, r in zip(spans, spec)]  # never verify past the budget
-            self._captured = self._captures() if self._captures is not None else 0
+            if self.policy is not None:  # graphs captured so far: a step that captures one is no cost sample
+                self._captured = self._captures() if self._captures is not None else 0
             if self.policy is not None and max(spans) == 1:
                 # plain decode for every speculating request: the decode step, with their tap-layer features
                 # captured so the drafter context stays aligned (nothing to reserve, draft or accept)
                 for r in spec:
                     self.pool.extend(r.request_id, 1)
                 self.plan_counts["decode"] += 1
-                return DecodePlan(spec, capture=[True] * len(spec))
+                return DecodePlan(spec, capture=True)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
             return VerifyPlan(spec, spans, res)
@@ -256,13 +255,13 @@ class Scheduler(StepRecovery):
     def _observe_costs(self, plan: VerifyPlan | DecodePlan) -> None:
         """Feed the adaptive policy this step's shape and the runner's synchronised draft / verify (or, all
         spans 1, decode) time."""
-        if self._timings is None:
+        if self._timings is None or self.policy is None:
             return
         now = tuple(self._timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
         draft_s, verify_s, decode_s = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         captured = self._captures() if self._captures is not None else 0
-        if self.policy is None or captured != self._captured:  # a capture's time is not a step's cost
+        if captured != self._captured:  # a capture's time is not a step's cost
             return
         n = len(plan.requests)
         if isinstance(plan, DecodePlan):

@@ -142,22 +142,7 @@ def bench(
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     if peer:
-        _peer_rows(
-            results,
-            target,
-            device,
-            synthetic,
-            concurrency,
-            prompts,
-            prompt_len,
-            output_tokens,
-            repeats,
-            peer_compile,
-            floor,
-            vocab,
-            seed,
-            bar,
-        )
+        _peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
     bar.close()
     results["rows"].sort(key=lambda r: (r["concurrency"], r["mode"], r["acceptance"]))
     return results
@@ -176,27 +161,17 @@ def _settle(engine, batch: list[list[int]], seconds: float) -> None:
         run_once(engine, batch, 32)
 
 
-def _peer_rows(
-    results,
-    target,
-    device,
-    synthetic,
-    concurrency,
-    prompts,
-    prompt_len,
-    output_tokens,
-    repeats,
-    compile,
-    floor,
-    vocab,
-    seed,
-    bar,
-) -> None:
+def _peer_rows(results: dict[str, Any], concurrency, compile: bool, floor: float, vocab: int, seed: int, bar) -> None:
+    """HF `generate` rows on the run's checkpoint, prompts, lengths and repeats (read back from `results`)."""
     from refengine.bench.peer_hf import make_peer, peer_row
     from refengine.config import EngineConfig
 
+    target, device, prompts = results["target"], results["device"], results["prompts"]
+    prompt_len, output_tokens, repeats = results["prompt_len"], results["output_tokens"], results["repeats"]
     dtype = getattr(torch, EngineConfig(target, device=device).torch_dtype_name)
-    model, label = make_peer(target, dtype=dtype, device=device, synthetic=synthetic, compile=compile)
+    model, label = make_peer(
+        target, dtype=dtype, device=device, synthetic=results["synthetic_weights"], compile=compile
+    )
     for c in concurrency:
         batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
         peer_row(model, label, batch, min(output_tokens, 8), device, floor)  # warm-up

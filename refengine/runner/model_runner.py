@@ -41,25 +41,26 @@ class ModelRunner:
         runner = self.graphs.get("verify")
         return runner.executed_rows(n, rows) if runner is not None and runner.bucket_for(n) is not None else rows
 
+    def _graph_runners(self) -> list[GraphRunner]:
+        """Every graph runner of the engine: the target's decode / verify and the drafter's."""
+        draft = getattr(self.proposer, "graph", None)
+        return list(self.graphs.values()) + ([draft] if draft is not None else [])
+
     def graph_captures(self) -> int:
         """Graphs captured so far, the drafter's included (a step that captured one took longer than it costs)."""
-        runners = list(self.graphs.values()) + [getattr(self.proposer, "graph", None)]
-        return sum(r.captures for r in runners if r is not None)
+        return sum(r.captures for r in self._graph_runners())
 
     def capture_graphs(self) -> int:
         """Capture every graph shape now (decode, verify, draft); returns how many were new."""
-        runners = list(self.graphs.values()) + [getattr(self.proposer, "graph", None)]
-        return sum(r.capture_all() for r in runners if r is not None)
+        return sum(r.capture_all() for r in self._graph_runners())
 
     def batch_bucket(self, n: int) -> int:
         """The batch shape a decode or verify step of n requests runs (n itself when eager)."""
-        runner = self.graphs.get("decode")
-        return (runner.bucket_for(n) if runner is not None else None) or n
+        return _bucket(self.graphs.get("decode"), n)
 
     def draft_bucket(self, m: int) -> int:
         """The batch shape a draft of m requests runs (m itself when eager)."""
-        runner = getattr(self.proposer, "graph", None)
-        return (runner.bucket_for(m) if runner is not None else None) or m
+        return _bucket(getattr(self.proposer, "graph", None), m)
 
     def shape_costs(self) -> list[tuple[str, object, float]]:
         """Timed replays of the captured shapes as (kind, key, seconds): ('plain', bucket), ('verify', (bucket,
@@ -167,14 +168,14 @@ class ModelRunner:
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
-            reqs, capture = plan.requests, plan.capture or [False] * len(plan.requests)
+            reqs = plan.requests
             graphed = (
                 None
-                if any(r.params.logprobs for r in reqs) or len(set(capture)) > 1  # mixed capture: eager
+                if any(r.params.logprobs for r in reqs)
                 else self._replay(
                     "decode",
                     [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
-                    capture=capture[0],
+                    capture=plan.capture,
                 )
             )
             if graphed is not None:
@@ -184,7 +185,7 @@ class ModelRunner:
             a, t = self._run(
                 [[r.output_ids[-1]] for r in reqs],
                 spans,
-                capture,
+                [plan.capture] * len(reqs),
                 [range(1)] * len(reqs),
                 [r.params.logprobs for r in reqs],
             )
@@ -224,3 +225,7 @@ class ModelRunner:
             r.spec.draft_s += (t1 - t0) / n
             r.spec.verify_s += (t2 - t1) / n
         return StepResult(a, drafts=drafts)
+
+
+def _bucket(runner: GraphRunner | None, n: int) -> int:
+    return (runner.bucket_for(n) if runner is not None else None) or n

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refengine.spec_decode.span_choice import Decision, RowsFn, choose_spans, expected_tokens, real_rows
@@ -78,7 +79,17 @@ class AdaptivePolicy:
     _cached: Decision | None = None
 
     def __post_init__(self) -> None:
-        self.rows = functools.lru_cache(maxsize=4096)(self.rows)  # a pure function of (n, rows): memoised
+        self.bind_shapes(self.rows, None)
+
+    def bind_shapes(
+        self, rows: RowsFn | None, buckets: tuple[Callable[[int], int], Callable[[int], int]] | None
+    ) -> None:
+        """The runner's step shapes: `rows(n, real_rows)` computed by a verify, and the batch buckets of a
+        target step / a draft (the cost table's keys)."""
+        if rows is not None:
+            self.rows = functools.lru_cache(maxsize=4096)(rows)  # a pure function of (n, rows): memoised
+        if buckets is not None:
+            self.cost.bucket, self.cost.draft_bucket = buckets
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
@@ -89,16 +100,15 @@ class AdaptivePolicy:
         s, f = self.population
         return (s + 0.5) / (s + f + 1.0)  # 0.5 before any evidence
 
-    def alpha(self, req_id: int) -> float:
+    def alpha(self, req_id: int, population: float | None = None) -> float:
+        """The request's acceptance estimate, shrunk toward the population rate (pass it to reuse it)."""
         s, f = self.counts.get(req_id, (0.0, 0.0))
-        return (s + PRIOR_WEIGHT * self.population_alpha()) / (s + f + PRIOR_WEIGHT)
+        pop = self.population_alpha() if population is None else population
+        return (s + PRIOR_WEIGHT * pop) / (s + f + PRIOR_WEIGHT)
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         pop = self.population_alpha()
-        alphas = []
-        for r in req_ids:
-            sr, fr = self.counts.get(r, (0.0, 0.0))
-            alphas.append((sr + PRIOR_WEIGHT * pop) / (sr + fr + PRIOR_WEIGHT))
+        alphas = [self.alpha(r, pop) for r in req_ids]
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
         d = self._cached if self._cache_key == key and self._cached is not None else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
@@ -184,11 +194,11 @@ class AdaptivePolicy:
         self.elapsed_s += draft_s + verify_s
 
     def _probing(self, req_id: int) -> bool:
-        """A request is probed (given a full block despite the choice) until PROBE_STEPS drafting steps are
-        seen, while each keeps accepting something: one probe settles a request that accepts nothing, a
-        few let a request far above the population rate outweigh the prior."""
+        """After its first-step probe, a request is probed again (a full block despite the choice) until
+        PROBE_STEPS drafting steps are seen, while each keeps accepting something: a request that accepts
+        nothing is settled by one, a request far above the population rate outweighs the prior in a few."""
         steps, last = self.drafted.get(req_id, (0, 0))
-        return steps < PROBE_STEPS and (steps == 0 or last > 0)
+        return steps < PROBE_STEPS and last > 0
 
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
         if span <= 1:
