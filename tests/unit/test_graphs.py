@@ -176,3 +176,30 @@ def test_timing_the_shapes_touches_no_request(trained_pair):
         engine.check_integrity()
     for i, (r, w) in enumerate(zip(reqs, want)):
         assert_same_tokens(r.output_ids, w, f"request {i} (shapes timed mid-run)")
+
+
+def test_eager_segmented_forward_equals_the_layer_forward(random_pair):
+    """With graphs on, prefills (and steps no graph fits) run the segmented stack eagerly: the final normed
+    hidden rows and the tap features must equal models/qwen3.py's layer-by-layer forward (fp32, two ragged
+    requests)."""
+    import torch
+
+    engine = cpu_engine(random_pair.target, random_pair.draft, graph_mode="full", max_num_seqs=4)
+    runner, pool = engine.runner, engine.pool
+    assert runner.stack is not None
+    lens = (7, 12)
+    for rid, n in enumerate(lens):
+        pool.admit(rid, n)
+        pool.extend(rid, n)
+    batch = runner._batch([(rid, 0, n) for rid, n in enumerate(lens)])
+    ids = torch.randint(0, engine.target.cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
+    layers = engine.proposer.capture_layers
+    with torch.inference_mode():
+        want_h, want_f = engine.target.forward(ids, batch, pool, runner.attention, layers)
+        got_h, got_f = runner._forward_segmented(ids, batch, taps=True)
+        no_h, no_f = runner._forward_segmented(ids, batch, taps=False)
+    for name, got, want in (("hidden", got_h, want_h), ("taps", got_f, want_f), ("hidden, no taps", no_h, want_h)):
+        delta = (got - want).abs()
+        shape = list(got.shape)
+        assert delta.max() < 1e-4, f"{name}: max delta {delta.max():.3g}, mean {delta.mean():.3g} over {shape}"
+    assert no_f is None
