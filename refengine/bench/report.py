@@ -19,6 +19,7 @@ COLUMNS = [
     ("verify ms", "verify_ms_per_step"),
     ("decode ms", "decode_ms_per_step"),
     ("host ms", "host_ms_per_step"),
+    ("prefill ms", "prefill_ms"),
     ("x floor", "x_plain_floor"),
     ("x own ideal", "x_own_ideal"),
 ]

@@ -148,6 +148,7 @@ def measure_row(
         "acceptance": acceptance,
         **throughput_fields(r["tokens"], secs, c, floor),
         "host_ms_per_step": round(r["host_s"] * 1e3 / max(r["steps"], 1), 4),
+        "prefill_ms": round(t["prefill_s"] * 1e3, 3),  # the run's prefill steps together (part of its seconds)
         "steps": r["steps"],
     }
     if plans.get("decode"):

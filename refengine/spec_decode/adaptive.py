@@ -77,6 +77,7 @@ class AdaptivePolicy:
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
     _cached: Decision | None = None
+    _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
 
     def __post_init__(self) -> None:
         self.bind_shapes(self.rows, None)
@@ -107,9 +108,16 @@ class AdaptivePolicy:
         return (s + PRIOR_WEIGHT * pop) / (s + f + PRIOR_WEIGHT)
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
+        key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
+        if self._settled and self._cache_key == key and self.steps + 1 < self._next_explore:
+            # the plain decision holds (nothing learnt, same requests) and it probed or explored nothing: no
+            # request became new or probe-worthy since (remaining budgets only shrink), so plain again, at O(1)
+            self.steps += 1
+            self.caps[1] += 1
+            return [1] * len(req_ids)
+        self._settled = False
         pop = self.population_alpha()
         alphas = [self.alpha(r, pop) for r in req_ids]
-        key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
         d = self._cached if self._cache_key == key and self._cached is not None else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
         if d is None:
@@ -166,6 +174,7 @@ class AdaptivePolicy:
                 k //= 2
         self.caps[d.cap] += 1
         self.searched += d.searched and not reused
+        self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
 
     def _budget(self, remaining: list[int]) -> float:
