@@ -17,6 +17,7 @@ from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
+DECODE_FEATURES_TO_HOST = True  # see _replay (tests switch it off to compare both paths)
 Span = tuple[int, int, int]  # (req_id, start, q_len): rows at positions [start, start + q_len), KV reserved
 
 
@@ -90,19 +91,32 @@ class ModelRunner:
         g = runner.run(steps)
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
-        if capture and g.buffers.taps is not None and self.proposer is not None:
-            # queued behind the replay and staged while the GPU runs it (the buffer is reused next step)
-            feats = g.buffers.taps[:total].clone().split(lens)
-            for s, f in zip(steps, feats):
-                self.proposer.stage_features(s.req_id, s.start, f)
+        taps = g.buffers.taps[:total] if capture and g.buffers.taps is not None and self.proposer else None
+        # Decode rows' features go to the host after the step: on the H200 a device-to-device copy queued
+        # between two replays of the decode graph made the next replay ~0.25 ms slower (3.84 vs 3.56 ms at
+        # c1, 4.24 vs 4.01 ms at c32; the same graph without the copy ran at plain speed; docs/PERF.md), while
+        # a small device-to-host copy costs nothing there. Verify rows (up to B per request) stay on the device:
+        # copied behind the replay, staged while the GPU runs it (the buffer is reused next step).
+        to_host = DECODE_FEATURES_TO_HOST and taps is not None and kind == "decode" and taps.is_cuda
+        if taps is not None and not to_host:
+            self._stage(steps, taps.clone(), lens)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
+        if to_host:
+            assert taps is not None
+            self._stage(steps, taps.to("cpu"), lens)
         out, row = [], 0
         for n in lens:
             out.append(argmax[row : row + n])
             row += n
         return out
+
+    def _stage(self, steps: list[StepRow], feats: torch.Tensor, lens: list[int]) -> None:
+        """Hand each request its rows of a step's tap features [rows, F*H] (held until the commit)."""
+        assert self.proposer is not None
+        for s, f in zip(steps, feats.split(lens)):
+            self.proposer.stage_features(s.req_id, s.start, f)
 
     def _batch(self, spans: list[Span]) -> AttnBatch:
         dev = self.target.device

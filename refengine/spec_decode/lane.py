@@ -32,7 +32,8 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 class DraftContext:
     capacity: int  # context rows it can hold (prompt + max_tokens); pages for + B more
     length: int = 0  # context rows whose K/V are in the pool
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features [rows, F*H], not yet projected
+    # target features [rows, F*H], not yet projected (on the host for plain decode steps on CUDA: ModelRunner._replay)
+    pending: list[torch.Tensor] = field(default_factory=list)
     pending_rows: int = 0
 
 
@@ -99,7 +100,7 @@ class DFlashLane:
         total = 0
         for rid, c in self._ctx.items():
             total += len(self.pool.table(rid)) * page_bytes
-            total += sum(f.numel() * f.element_size() for f in c.pending)
+            total += sum(f.numel() * f.element_size() for f in c.pending if f.device == k.device)
         return total
 
     # ---- features: staged by the runner, committed by the scheduler ---------------------------------------
@@ -178,7 +179,7 @@ class DFlashLane:
             self._project(chunk)
 
     def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]]) -> None:
-        feats = torch.cat([f for *_, f in chunk])  # [R, F*H]
+        feats = _on_device([f for *_, f in chunk], self.drafter.fc.device)  # [R, F*H]
         positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, _, p, f in chunk]).to(feats.device)
         slots = torch.cat([self.pool.slots(r, p, p + f.shape[0]) for r, _, p, f in chunk]).to(feats.device)
         m = self.drafter.mcfg
@@ -234,7 +235,7 @@ class DFlashLane:
         c = self._ctx[req_id]
         if not c.pending_rows:
             return None
-        rows = c.pending[0] if len(c.pending) == 1 else torch.cat(c.pending)
+        rows = _on_device(c.pending, self.drafter.fc.device)
         c.length += c.pending_rows
         c.pending, c.pending_rows = [], 0
         return rows
@@ -270,3 +271,16 @@ class DFlashLane:
             causal=False,
         )
         return self.drafter.draft_logits(tokens, batch, self.pool, self.attention, fp32=fp32)
+
+
+def _on_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Rows of `parts` concatenated in order on `device`; each run of rows on another device (the host) moves
+    in one copy."""
+    runs: list[list[torch.Tensor]] = []
+    for f in parts:
+        if runs and runs[-1][0].device == f.device:
+            runs[-1].append(f)
+        else:
+            runs.append([f])
+    out = [(r[0] if len(r) == 1 else torch.cat(r)).to(device) for r in runs]
+    return out[0] if len(out) == 1 else torch.cat(out)

@@ -3,7 +3,8 @@ the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass
 
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
 - adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
-  rows per request; all-span-1 steps the decode graph with taps);
+  rows per request; all-span-1 steps the decode graph with taps), and the drafts it proposes are the same
+  whether those decode rows' features waited on the host (the default) or on the device;
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
 - the full graph at KV lengths from tens to thousands of tokens, and a deliberately stale attention plan
@@ -93,6 +94,45 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     assert len(caps) > 1, f"one verify row cap replayed: {caps}"
     failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-c{concurrency}")
     assert not failures, "\n".join(failures)
+
+
+def test_gpu_decode_features_on_the_host_give_the_same_drafts(trained_pair, monkeypatch):
+    """All-span-1 steps stage their tap features on the host (ModelRunner._replay): the drafter context built
+    from them must give exactly the drafts the device-staged path gives, step for step."""
+    import refengine.runner.model_runner as model_runner
+
+    prompts = _prompts(8, [5, 16, 40], seed=3, vocab=4096)
+    budgets = [48] * 8
+
+    def run(to_host: bool) -> list[list[list[int]]]:
+        monkeypatch.setattr(model_runner, "DECODE_FEATURES_TO_HOST", to_host)
+        engine = gpu_engine(
+            trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=8, speculation="adaptive"
+        )
+        rng = random.Random(5)
+        engine.scheduler.policy.choose = lambda ids, rem: (  # type: ignore[union-attr]
+            [1] * len(ids) if rng.random() < 0.7 else [B] * len(ids)
+        )
+        log: list[list[list[int]]] = []
+        propose = engine.proposer.propose
+
+        def logged(items):
+            out = propose(items)
+            log.append(out)
+            return out
+
+        engine.proposer.propose = logged
+        greedy(engine, prompts, budgets)
+        engine.check_integrity()
+        return log
+
+    host, device = run(True), run(False)
+    assert len(host) > 3, f"only {len(host)} draft steps ran"
+    first = next((i for i, (a, b) in enumerate(zip(host, device)) if a != b), None)
+    assert first is None and len(host) == len(device), (
+        f"drafts differ at draft step {first} of {len(host)} (host) / {len(device)} (device): "
+        f"{host[first] if first is not None else ''} vs {device[first] if first is not None else ''}"
+    )
 
 
 def _short_then_long(pair, mode: str, rule: bool):
