@@ -92,20 +92,21 @@ class ModelRunner:
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         taps = g.buffers.taps[:total] if capture and g.buffers.taps is not None and self.proposer else None
-        # Decode rows' features go to the host after the step: on the H200 a device-to-device copy queued
-        # between two replays of the decode graph made the next replay ~0.25 ms slower (3.84 vs 3.56 ms at
-        # c1, 4.24 vs 4.01 ms at c32; the same graph without the copy ran at plain speed; docs/PERF.md), while
-        # a small device-to-host copy costs nothing there. Verify rows (up to B per request) stay on the device:
-        # copied behind the replay, staged while the GPU runs it (the buffer is reused next step).
-        to_host = DECODE_FEATURES_TO_HOST and taps is not None and kind == "decode" and taps.is_cuda
-        if taps is not None and not to_host:
-            self._stage(steps, taps.clone(), lens)
+        # Copied behind the replay (the buffer is reused next step) and staged while the GPU runs it. Decode
+        # rows' features go to pinned host memory: on the H200 a device-to-device copy queued between two
+        # replays of the decode graph made the next replay ~0.25 ms slower (3.84 vs 3.56 ms at c1, 4.24 vs
+        # 4.01 ms at c32; without the copy the same graph ran at plain speed: docs/PERF.md). Verify rows (up
+        # to B per request, drafted next step) stay on the device.
+        if taps is not None:
+            if DECODE_FEATURES_TO_HOST and kind == "decode" and taps.is_cuda:
+                feats = torch.empty(taps.shape, dtype=taps.dtype, pin_memory=True)
+                feats.copy_(taps, non_blocking=True)  # complete at the sync below, before anything reads it
+            else:
+                feats = taps.clone()
+            self._stage(steps, feats, lens)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
-        if to_host:
-            assert taps is not None
-            self._stage(steps, taps.to("cpu"), lens)
         out, row = [], 0
         for n in lens:
             out.append(argmax[row : row + n])
