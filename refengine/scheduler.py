@@ -223,11 +223,12 @@ class Scheduler(StepRecovery):
                     self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
+            proposer = self.active_proposer if plan.capture else None  # speculating requests given span 1
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
-                if plan.capture:  # a speculating request the adaptive policy gave span 1
-                    self.active_proposer.commit_context(req.request_id, req.committed_len, 1)
+                if proposer is not None:
+                    proposer.commit_context(req.request_id, req.committed_len, 1)
                     req.spec.record(1, 1)
                 self._append(req, [result.argmax[i][-1]])
             if plan.capture:

@@ -89,8 +89,8 @@ class AdaptivePolicy:
         target step / a draft (the cost table's keys)."""
         if rows is not None:
             self.rows = functools.lru_cache(maxsize=4096)(rows)  # a pure function of (n, rows): memoised
-        if buckets is not None:
-            self.cost.bucket, self.cost.draft_bucket = buckets
+        if buckets is not None:  # pure functions of the request count: memoised (looked up every step)
+            self.cost.bucket, self.cost.draft_bucket = (functools.lru_cache(maxsize=1024)(b) for b in buckets)
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""

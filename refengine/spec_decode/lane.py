@@ -44,6 +44,7 @@ class DFlashLane:
         self.drafter, self.pool, self.attention = drafter, pool, attention
         self.block_size = drafter.cfg.block_size
         self.capture_layers = drafter.cfg.target_layer_ids
+        self._width = drafter.feature_width  # F*H: checked on every committed row
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
@@ -139,10 +140,8 @@ class DFlashLane:
         if c is None:
             raise AlignmentError(f"request {req_id}: no drafter context (start_request was not called)")
         shape = feats.shape
-        if len(shape) != 2 or shape[1] != self.drafter.feature_width:
-            raise AlignmentError(
-                f"request {req_id}: feature shape {list(shape)}, expected [rows, {self.drafter.feature_width}]"
-            )
+        if len(shape) != 2 or shape[1] != self._width:
+            raise AlignmentError(f"request {req_id}: feature shape {list(shape)}, expected [rows, {self._width}]")
         if first_position != c.length + c.pending_rows:
             raise AlignmentError(
                 f"request {req_id}: features start at position {first_position}, "
