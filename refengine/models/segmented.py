@@ -110,7 +110,7 @@ class StepState:
         make = torch.zeros if zeroed else torch.empty
 
         def z(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
-            return make(*shape, dtype=dt, device=device)  # zeros: padding rows stay finite
+            return make(*shape, dtype=dt, device=device)  # zeros for graphs: padding rows stay finite
 
         h, nh, nkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         context = (
@@ -187,8 +187,8 @@ class SegmentedStack:
     def run_eager(self, st: StepState, attend: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
         """One forward of st's rows outside any graph (a prefill, a step no graph fits): the same segments with
         `attend(layer, q, out)` between them, ending at the final normed hidden rows in st.hidden (and the taps
-        in st.taps when it has them); the caller reads the logits it needs. Merged weights and fused kernels
-        make it ~5x fewer launches than the layer-by-layer forward of models/qwen3.py."""
+        in st.taps when it has them); the caller reads the logits it needs. Merged QKV and gate/up weights and
+        the fused kernels launch far fewer kernels than the layer-by-layer forward of models/qwen3.py."""
         n = len(self.layers)
         for i in range(n):
             self.segment(i, st)

@@ -35,7 +35,7 @@ class ModelRunner:
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
         # with graphs, steps outside them (prefills, steps no graph fits) run the graphs' segmented stack
-        # eagerly: merged weights and fused kernels (a 128-token prefill of Qwen3-4B: ~5x fewer launches)
+        # eagerly: merged weights and fused kernels (a 128-token Qwen3-4B prefill: 10-14 ms on the H200)
         decode = self.graphs.get("decode")
         self.stack: SegmentedStack | None = decode.stack if decode is not None else None
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
