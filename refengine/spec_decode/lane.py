@@ -23,6 +23,7 @@ from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
+from refengine.spec_decode.pending_rows import HOST_PENDING_BYTES, nbytes, on_device, runs_to_device
 from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
@@ -32,9 +33,10 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 class DraftContext:
     capacity: int  # context rows it can hold (prompt + max_tokens); pages for + B more
     length: int = 0  # context rows whose K/V are in the pool
-    # target features [rows, F*H], not yet projected (on the host for plain decode steps on CUDA: ModelRunner._replay)
+    # target features [rows, F*H], not yet projected; plain decode steps' wait on the host (pending_rows.py)
     pending: list[torch.Tensor] = field(default_factory=list)
     pending_rows: int = 0
+    host_bytes: int = 0  # of `pending`, the bytes held off the lane's device
 
 
 class DFlashLane:
@@ -45,6 +47,9 @@ class DFlashLane:
         self.block_size = drafter.cfg.block_size
         self.capture_layers = drafter.cfg.target_layer_ids
         self._width = drafter.feature_width  # F*H: checked on every committed row
+        self._device = drafter.fc.device
+        self._host_bytes = 0  # pending bytes off the device, all requests (bounded: HOST_PENDING_BYTES)
+        self.host_moves = 0  # times the host rows were moved to the device
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
@@ -82,7 +87,9 @@ class DFlashLane:
         self._ctx[req_id] = DraftContext(capacity=capacity)
 
     def release(self, req_id: int) -> None:
-        if self._ctx.pop(req_id, None) is not None:
+        c = self._ctx.pop(req_id, None)
+        if c is not None:
+            self._host_bytes -= c.host_bytes
             self.pool.release(req_id)
         self._staged.pop(req_id, None)
 
@@ -153,6 +160,27 @@ class DFlashLane:
             )
         c.pending.append(feats)
         c.pending_rows += shape[0]
+        if self._off_device(feats):
+            c.host_bytes += nbytes(feats)
+            self._host_bytes += nbytes(feats)
+            if self._host_bytes > HOST_PENDING_BYTES:
+                self._host_rows_to_device()
+
+    def _off_device(self, feats: torch.Tensor) -> bool:
+        return feats.device != self._device
+
+    def _host_rows_to_device(self) -> None:
+        """Every request's host rows to the device, one copy per run of rows (pending_rows.py)."""
+        for c in self._ctx.values():
+            if c.host_bytes:
+                c.pending = runs_to_device(c.pending, self._device)
+                c.host_bytes = 0
+        self._host_bytes = 0
+        self.host_moves += 1
+
+    def _clear_pending(self, c: DraftContext) -> None:
+        self._host_bytes -= c.host_bytes
+        c.pending, c.pending_rows, c.host_bytes = [], 0, 0
 
     def _flush_pending(self, req_ids: list[int]) -> None:
         """Project pending rows (dense ops over many rows at once), then scatter into each context buffer.
@@ -173,12 +201,12 @@ class DFlashLane:
                     chunk.append((r, c, pos, part))
                     pos += part.shape[0]
                     rows += part.shape[0]
-            c.pending, c.pending_rows = [], 0
+            self._clear_pending(c)
         if chunk:
             self._project(chunk)
 
     def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]]) -> None:
-        feats = _on_device([f for *_, f in chunk], self.drafter.fc.device)  # [R, F*H]
+        feats = on_device([f for *_, f in chunk], self._device)  # [R, F*H]
         positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, _, p, f in chunk]).to(feats.device)
         slots = torch.cat([self.pool.slots(r, p, p + f.shape[0]) for r, _, p, f in chunk]).to(feats.device)
         m = self.drafter.mcfg
@@ -234,9 +262,9 @@ class DFlashLane:
         c = self._ctx[req_id]
         if not c.pending_rows:
             return None
-        rows = _on_device(c.pending, self.drafter.fc.device)
+        rows = on_device(c.pending, self._device)
         c.length += c.pending_rows
-        c.pending, c.pending_rows = [], 0
+        self._clear_pending(c)
         return rows
 
     def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[torch.Tensor | None]) -> None:
@@ -270,16 +298,3 @@ class DFlashLane:
             causal=False,
         )
         return self.drafter.draft_logits(tokens, batch, self.pool, self.attention, fp32=fp32)
-
-
-def _on_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Rows of `parts` concatenated in order on `device`; each run of rows on another device (the host) moves
-    in one copy."""
-    runs: list[list[torch.Tensor]] = []
-    for f in parts:
-        if runs and runs[-1][0].device == f.device:
-            runs[-1].append(f)
-        else:
-            runs.append([f])
-    out = [(r[0] if len(r) == 1 else torch.cat(r)).to(device) for r in runs]
-    return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,0 +1,81 @@
+"""Pending drafter context rows held off the device (refengine/spec_decode/pending_rows.py): plain decode
+steps' features wait on the host, and past HOST_PENDING_BYTES per lane they move to the device in order.
+
+On the CPU every tensor is on the lane's device, so the test marks one-row commits (a plain decode step's
+rows) as held off the device and sets a small bound. Then, over an adaptive run that mostly decodes plainly
+and drafts now and then:
+- the host bytes never pass the bound and equal the per-request sums;
+- the rows are moved several times;
+- the drafts are exactly those of the same run without the bound (the rows keep their order);
+- the output equals eager greedy.
+
+Run: pytest tests/unit/test_pending_rows.py
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import refengine.spec_decode.lane as lane_module
+from refengine.spec_decode.pending_rows import on_device, runs_to_device
+from tests.adapter import assert_same_tokens, cpu_engine, greedy
+
+B = 16
+
+
+def test_runs_to_device_keeps_order_and_device_parts():
+    a, b, c = (torch.full((n, 3), float(n)) for n in (1, 2, 3))
+    cpu = torch.device("cpu")
+    assert [t.shape[0] for t in runs_to_device([a, b, c], cpu)] == [1, 2, 3], "parts already on the device stay"
+    assert torch.equal(on_device([a, b, c], cpu), torch.cat([a, b, c]))
+
+
+def _run(pair, bound_rows: int | None, monkeypatch):
+    engine = cpu_engine(pair.target, pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive")
+    lane = engine.proposer
+    row_bytes = lane._width * 4  # fp32 on the CPU
+    if bound_rows is not None:
+        monkeypatch.setattr(lane_module, "HOST_PENDING_BYTES", bound_rows * row_bytes)
+    lane._off_device = lambda feats: feats.shape[0] == 1  # a plain decode step's row: held "on the host"
+    rng = random.Random(7)
+    engine.scheduler.policy.choose = lambda ids, rem: [1] * len(ids) if rng.random() < 0.8 else [B] * len(ids)
+    drafts: list[list[list[int]]] = []
+    propose = lane.propose
+
+    def logged(items):
+        out = propose(items)
+        drafts.append(out)
+        return out
+
+    lane.propose = logged
+    step = engine.step
+
+    def checked_step():
+        done = step()
+        held = sum(c.host_bytes for c in lane._ctx.values())
+        assert lane._host_bytes == held, f"host bytes {lane._host_bytes} != per-request sum {held}"
+        if bound_rows is not None:
+            assert held <= bound_rows * row_bytes, f"{held // row_bytes} host rows held, bound {bound_rows}"
+        return done
+
+    engine.step = checked_step
+    prompts = [[rng.randrange(200) for _ in range(n)] for n in (5, 17, 30, 9)]
+    out = greedy(engine, prompts, [60, 45, 70, 50])
+    engine.check_integrity()
+    return engine, out, drafts, prompts
+
+
+def test_host_rows_are_bounded_moved_in_order_and_lossless(trained_pair, monkeypatch):
+    free_engine, free_out, free_drafts, prompts = _run(trained_pair, None, monkeypatch)
+    engine, out, drafts, _ = _run(trained_pair, 12, monkeypatch)
+    assert free_engine.proposer.host_moves == 0
+    assert engine.proposer.host_moves >= 3, f"rows moved {engine.proposer.host_moves} times"
+    assert len(drafts) == len(free_drafts) > 3, f"{len(drafts)} vs {len(free_drafts)} draft steps"
+    first = next((i for i, (a, b) in enumerate(zip(drafts, free_drafts)) if a != b), None)
+    assert first is None, f"drafts differ at draft step {first}: {drafts[first]} vs {free_drafts[first]}"
+    eager = cpu_engine(trained_pair.target, graph_mode="eager", max_num_seqs=4)
+    want = greedy(eager, prompts, [60, 45, 70, 50])
+    for i, (got, w) in enumerate(zip(out, want)):
+        assert_same_tokens(got, w, f"request {i}")
