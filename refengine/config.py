@@ -276,7 +276,8 @@ class EngineConfig:
             )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise UnsupportedConfigError(f"tensor_parallel_size={self.tensor_parallel_size!r} must be an int >= 1")
         if not self.tensor_parallel_timeout_s > 0:
             raise UnsupportedConfigError(

@@ -57,7 +57,7 @@ class Engine:
         if acceptance_override is not None and not isinstance(acceptance_override, AcceptanceOverride):
             raise UnsupportedConfigError("acceptance_override must be an AcceptanceOverride (refengine bench)")
         self.config = config
-        self.tp: TensorParallelGroup | None = None  # set before anything can fail, for close()
+        self.tp: TensorParallelGroup | None = None  # before anything past the argument checks can fail (close())
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedConfigError(f"device={config.device!r} but torch sees no CUDA device")
@@ -204,8 +204,9 @@ class Engine:
         requests are retried; one in a second failed step finishes with FinishReason.ERROR and the exception
         in its message (its KV and drafter context freed). A failure inside commit is a refengine bug: the
         plan's unfinished requests finish with ERROR. Nothing is re-raised (except KeyboardInterrupt and
-        other non-Exception exits, after the rollback), every other request goes on producing exactly its
-        bs=1 output, and the engine keeps serving."""
+        other non-Exception exits, and a TensorParallelError: a dead rank or a closed group, after the
+        rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
+        serving."""
         sched = self.scheduler
         plan = sched.schedule()
         if plan is not None:

@@ -66,7 +66,21 @@ def greedy(
     return [r.output_ids for r in reqs]
 
 
-def first_divergence(a: list[int], b: list[int]) -> int | None:
+def record_drafts(engine: Engine) -> list[list[list[int]]]:
+    """Wrap engine.proposer.propose; the returned list fills with every draft step's proposals, in order."""
+    log: list[list[list[int]]] = []
+    propose = engine.proposer.propose
+
+    def logged(items):
+        out = propose(items)
+        log.append(out)
+        return out
+
+    engine.proposer.propose = logged  # type: ignore[method-assign,union-attr]
+    return log
+
+
+def first_divergence(a: list, b: list) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i

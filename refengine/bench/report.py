@@ -44,9 +44,10 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its repeats: numeric fields are medians, tok/s also gets min / max; the rest (histograms,
     the adaptive policy's cumulative summary) from the last run."""
     row = dict(runs[-1])
-    for k, v in runs[0].items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "concurrency":
-            vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+    keys = dict.fromkeys(k for r in runs for k in r)  # a field some runs lack (decode ms: no decode plan) too
+    for k in keys:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        if vals and k != "concurrency":
             row[k] = round(statistics.median(vals), 4)
     tps = [r["tok_per_s"] for r in runs]
     row.update(repeats=len(runs), tok_per_s_min=round(min(tps), 2), tok_per_s_max=round(max(tps), 2))

@@ -105,10 +105,10 @@ def bench(
     tbytes = target_weight_bytes(any_engine.target)
     floor, vocab = bandwidth / tbytes, any_engine.target.cfg.vocab_size
     own_bytes = tbytes
-    for e in engines.values():
-        if e.drafter is not None:
-            own_bytes = tbytes + drafter_weight_bytes(e.drafter)
-            results.update(drafter_weight_bytes=own_bytes - tbytes)
+    drafter = next((e.drafter for e in engines.values() if e.drafter is not None), None)  # one checkpoint
+    if drafter is not None:
+        own_bytes = tbytes + drafter_weight_bytes(drafter)
+        results.update(drafter_weight_bytes=own_bytes - tbytes)
     results.update(target_weight_bytes=tbytes, graph_mode=any_engine.config.graph_mode_name)
     _settle(any_engine, make_prompts(prompts, max(concurrency), prompt_len, vocab, target, seed), settle)
 

@@ -33,10 +33,9 @@ class Qwen3Model:
         self.final_norm = final_norm
         self.lm_head = lm_head  # [V, H]; the same tensor as embed_tokens when tied
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, embed.device)
-        # Tensor parallel (refengine/parallel): cfg is then this rank's geometry and full_cfg the checkpoint's;
+        # Tensor parallel (refengine/parallel): cfg is then this rank's geometry;
         # all_reduce sums the row-parallel partial outputs (o_proj, down_proj) over the ranks.
-        self.full_cfg = cfg
-        self.tp_rank, self.tp_size = 0, 1
+        self.tp_size = 1
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod

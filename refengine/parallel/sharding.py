@@ -68,7 +68,7 @@ def _rows(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _cols(w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    return w[:, lo:hi].contiguous().clone()
+    return w[:, lo:hi].clone(memory_format=torch.contiguous_format)  # one copy, owning its storage
 
 
 def shard_layer(w: DecoderLayerWeights, cfg: ModelConfig, rank: int, tp: int) -> DecoderLayerWeights:
@@ -93,13 +93,12 @@ def shard_layer(w: DecoderLayerWeights, cfg: ModelConfig, rank: int, tp: int) ->
 
 def shard_target(model, rank: int, tp: int):
     """A Qwen3Model holding rank `rank`'s shard of `model` (loaded whole: fine for a reference engine; a
-    production loader would read only its slices). Its cfg is the per-rank geometry (local_config), its
-    full_cfg the checkpoint's; the caller attaches the all-reduce (Qwen3Model.all_reduce)."""
+    production loader would read only its slices). Its cfg is the per-rank geometry (local_config); the caller
+    attaches the all-reduce (Qwen3Model.all_reduce)."""
     from refengine.models.qwen3 import Qwen3Model
 
     check_tensor_parallel(model.cfg, tp)
     layers = [shard_layer(w, model.cfg, rank, tp) for w in model.layers]
     out = Qwen3Model(local_config(model.cfg, tp), model.embed_tokens, layers, model.final_norm, model.lm_head)
-    out.full_cfg = model.cfg
-    out.tp_rank, out.tp_size = rank, tp
+    out.tp_size = tp
     return out

@@ -152,9 +152,7 @@ class ModelRunner:
             w.device,
             zeroed=False,
         )
-        st.ids.copy_(ids)
-        st.positions.copy_(batch.positions)
-        st.slots.copy_(batch.slots)
+        st.ids, st.positions, st.slots = ids, batch.positions, batch.slots  # this step's own tensors, not copies
         self.attention.prepare(batch)
 
         def attend(layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

@@ -108,7 +108,7 @@ class DFlashLane:
         total = 0
         for rid, c in self._ctx.items():
             total += len(self.pool.table(rid)) * page_bytes
-            total += sum(f.numel() * f.element_size() for f in c.pending if f.device == k.device)
+            total += sum(nbytes(f) for f in c.pending) - c.host_bytes  # host-held rows are not device bytes
         return total
 
     # ---- features: staged by the runner, committed by the scheduler ---------------------------------------

@@ -71,9 +71,9 @@ def choose_spans(
             term *= a
         cum.append(row)
     draft_cost = [cost.draft_s(m) for m in range(n + 1)]
-    v0, v1, v2 = (t * 1e-3 for t in cost.verify.theta)
-    v_fixed = v0 + v1 * n
-    verify_cost = [v_fixed + v2 * rows(n, r) for r in range(n * block + 1)]  # by real rows
+    executed = [rows(n, r) for r in range(n * block + 1)]  # by real rows: few distinct shapes
+    by_shape = {x: cost.verify_s(n, x) for x in set(executed)}  # measured table, else the fit
+    verify_cost = [by_shape[x] for x in executed]
     best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
     for cap in range(2, block + 1):
         spans = [cap if remaining[i] >= cap else max(1, remaining[i]) for i in order]

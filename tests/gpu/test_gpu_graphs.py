@@ -21,7 +21,7 @@ import pytest
 
 from golden.gates import MARGIN_TOL, first_divergence_regret_gate
 from refengine.attention.graph_attention import FlashInferGraphAttention
-from tests.adapter import gpu_engine, greedy, score_sequences
+from tests.adapter import first_divergence, gpu_engine, greedy, record_drafts, score_sequences
 
 pytestmark = pytest.mark.gpu
 B = 16
@@ -97,39 +97,35 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
 
 
 def test_gpu_decode_features_on_the_host_give_the_same_drafts(trained_pair, monkeypatch):
-    """All-span-1 steps stage their tap features on the host (ModelRunner._replay): the drafter context built
-    from them must give exactly the drafts the device-staged path gives, step for step."""
+    """All-span-1 steps stage their tap features on the host (ModelRunner._replay), moved to the device past a
+    bound (set to a few rows here, so it is crossed): the drafter context built from them must give exactly the
+    drafts the device-staged path gives, step for step."""
     import refengine.runner.model_runner as model_runner
+    import refengine.spec_decode.lane as lane_module
 
     prompts = _prompts(8, [5, 16, 40], seed=3, vocab=4096)
     budgets = [48] * 8
 
-    def run(to_host: bool) -> list[list[list[int]]]:
+    def run(to_host: bool) -> tuple[list[list[list[int]]], int]:
         monkeypatch.setattr(model_runner, "DECODE_FEATURES_TO_HOST", to_host)
         engine = gpu_engine(
             trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=8, speculation="adaptive"
         )
+        monkeypatch.setattr(lane_module, "HOST_PENDING_BYTES", 20 * engine.proposer._width * 2)  # 20 bf16 rows
         rng = random.Random(5)
         engine.scheduler.policy.choose = lambda ids, rem: (  # type: ignore[union-attr]
             [1] * len(ids) if rng.random() < 0.7 else [B] * len(ids)
         )
-        log: list[list[list[int]]] = []
-        propose = engine.proposer.propose
-
-        def logged(items):
-            out = propose(items)
-            log.append(out)
-            return out
-
-        engine.proposer.propose = logged
+        log = record_drafts(engine)
         greedy(engine, prompts, budgets)
         engine.check_integrity()
-        return log
+        return log, engine.proposer.host_moves
 
-    host, device = run(True), run(False)
+    (host, moves), (device, no_moves) = run(True), run(False)
     assert len(host) > 3, f"only {len(host)} draft steps ran"
-    first = next((i for i, (a, b) in enumerate(zip(host, device)) if a != b), None)
-    assert first is None and len(host) == len(device), (
+    assert moves > 0 and no_moves == 0, f"host rows moved {moves} times (host path), {no_moves} (device path)"
+    first = first_divergence(host, device)
+    assert first is None, (
         f"drafts differ at draft step {first} of {len(host)} (host) / {len(device)} (device): "
         f"{host[first] if first is not None else ''} vs {device[first] if first is not None else ''}"
     )

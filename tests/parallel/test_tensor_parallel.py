@@ -148,7 +148,10 @@ def test_close_stops_workers_and_frees_the_group(random_pair):
         assert all(p.is_alive() for p in procs)
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(TensorParallelError, match="closed"):
-        engine.step() if engine.has_work() else engine.tp.check()
+        engine.tp.check()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(TensorParallelError, match="closed"):
+        engine.step()  # the prefill's forward reaches the closed group
     # the process group was released: a second tp engine can start in this process
     with Engine(EngineConfig(str(random_pair.target), tensor_parallel_size=2)) as again:
         assert again.tp is not None and again.tp.procs[0].is_alive()

@@ -154,3 +154,19 @@ def test_bench_plot_needs_matplotlib_or_writes_the_file(capsys, tmp_path):
         assert rc == 2 and "matplotlib" in err and "refengine[plot]" in err, err
     else:
         assert rc == 0 and path.stat().st_size > 0, err
+
+
+def test_aggregate_takes_medians_of_fields_some_runs_lack():
+    """A repeat without a field (decode ms when it ran no decode plan) must not leave the row at the last run's
+    raw value or drop the field: the median is over the runs that have it."""
+    from refengine.bench.report import aggregate
+
+    runs = [
+        {"concurrency": 8, "tok_per_s": 30.0, "policy": {"a": 1}},
+        {"concurrency": 8, "tok_per_s": 10.0, "decode_ms_per_step": 4.0, "policy": {"a": 2}},
+        {"concurrency": 8, "tok_per_s": 20.0, "decode_ms_per_step": 6.0, "policy": {"a": 3}},
+    ]
+    row = aggregate(runs)
+    assert row["tok_per_s"] == 20.0 and (row["tok_per_s_min"], row["tok_per_s_max"]) == (10.0, 30.0), row
+    assert row["decode_ms_per_step"] == 5.0, row
+    assert row["policy"] == {"a": 3} and row["concurrency"] == 8 and row["repeats"] == 3, row

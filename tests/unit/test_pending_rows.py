@@ -6,7 +6,9 @@ rows) as held off the device and sets a small bound. Then, over an adaptive run 
 and drafts now and then:
 - the host bytes never pass the bound and equal the per-request sums;
 - the rows are moved several times;
-- the drafts are exactly those of the same run without the bound (the rows keep their order);
+- the drafts are exactly those of the same run without the bound (on the CPU nothing really moves: the
+  order of moved runs is checked with the "meta" device, the real move by the GPU test
+  `test_gpu_decode_features_on_the_host_give_the_same_drafts`);
 - the output equals eager greedy.
 
 Run: pytest tests/unit/test_pending_rows.py
@@ -20,7 +22,7 @@ import torch
 
 import refengine.spec_decode.lane as lane_module
 from refengine.spec_decode.pending_rows import on_device, runs_to_device
-from tests.adapter import assert_same_tokens, cpu_engine, greedy
+from tests.adapter import assert_same_tokens, cpu_engine, first_divergence, greedy, record_drafts
 
 B = 16
 
@@ -30,6 +32,15 @@ def test_runs_to_device_keeps_order_and_device_parts():
     cpu = torch.device("cpu")
     assert [t.shape[0] for t in runs_to_device([a, b, c], cpu)] == [1, 2, 3], "parts already on the device stay"
     assert torch.equal(on_device([a, b, c], cpu), torch.cat([a, b, c]))
+    # mixed devices ("meta" stands in for the accelerator): each run of host parts becomes one moved tensor,
+    # parts already there stay as they are, in order
+    meta = torch.device("meta")
+    d = torch.zeros(4, 3)
+    mixed = [a, torch.zeros(2, 3, device=meta), c, d]
+    out = runs_to_device(mixed, meta)
+    assert [(t.shape[0], t.device.type) for t in out] == [(1, "meta"), (2, "meta"), (7, "meta")], out
+    assert out[1] is mixed[1], "a part already on the device is kept, not copied"
+    assert on_device(mixed, meta).shape == (10, 3)
 
 
 def _run(pair, bound_rows: int | None, monkeypatch):
@@ -41,15 +52,7 @@ def _run(pair, bound_rows: int | None, monkeypatch):
     lane._off_device = lambda feats: feats.shape[0] == 1  # a plain decode step's row: held "on the host"
     rng = random.Random(7)
     engine.scheduler.policy.choose = lambda ids, rem: [1] * len(ids) if rng.random() < 0.8 else [B] * len(ids)
-    drafts: list[list[list[int]]] = []
-    propose = lane.propose
-
-    def logged(items):
-        out = propose(items)
-        drafts.append(out)
-        return out
-
-    lane.propose = logged
+    drafts = record_drafts(engine)
     step = engine.step
 
     def checked_step():
@@ -73,8 +76,8 @@ def test_host_rows_are_bounded_moved_in_order_and_lossless(trained_pair, monkeyp
     assert free_engine.proposer.host_moves == 0
     assert engine.proposer.host_moves >= 3, f"rows moved {engine.proposer.host_moves} times"
     assert len(drafts) == len(free_drafts) > 3, f"{len(drafts)} vs {len(free_drafts)} draft steps"
-    first = next((i for i, (a, b) in enumerate(zip(drafts, free_drafts)) if a != b), None)
-    assert first is None, f"drafts differ at draft step {first}: {drafts[first]} vs {free_drafts[first]}"
+    first = first_divergence(drafts, free_drafts)
+    assert first is None, f"drafts differ at draft step {first} of {len(drafts)} / {len(free_drafts)}"
     eager = cpu_engine(trained_pair.target, graph_mode="eager", max_num_seqs=4)
     want = greedy(eager, prompts, [60, 45, 70, 50])
     for i, (got, w) in enumerate(zip(out, want)):
