@@ -1,15 +1,19 @@
-"""The measurement behind `refengine bench`: every mode's engine loaded side by side (each with a KV pool of
-exactly the blocks the bench needs, so they fit together) and their runs interleaved, per (concurrency,
-acceptance profile) cell: a warm-up of each, then `repeats` rounds of one run per mode. A GPU's clocks drift
-over the first tens of seconds of load (measured on the H200: the same plain decode step 3.87 ms in the first
-engine, 4.11-4.13 ms in every later one), which made whichever mode ran first look ~6% faster when modes ran
-one after another; interleaved, the drift falls on every mode alike, and on CUDA the device first runs for
-SETTLE_S seconds so no row gets the cold chip. Plain runs take part in every cell; its row per concurrency
-is the median over all of them.
+"""The measurement behind `refengine bench`: one engine at a time. Each mode's engine is loaded alone (a KV
+pool of exactly the blocks the bench needs), captures all its graph shapes, loads the device for SETTLE_S
+seconds (on CUDA, so no row gets the cold chip), runs every (concurrency, acceptance profile) cell (a
+discarded warm-up, then `repeats` measured runs) and is freed before the next mode loads.
+
+Why not side by side: with several engines resident in one process, the H200 replayed the same decode graph
+at different speeds depending on what else ran in the run (measured: an adaptive engine forced to span 1 at
+c1, 3.48 ms per replay, but 3.74-3.83 ms when any drafter work ran in that run; the extra time is between
+kernels, not in them). With one engine resident, that drafter work changed nothing (3.58 ms either way). A
+deployment runs one engine, so the bench does too. Plain does not depend on the acceptance profile: its row
+per concurrency is measured once.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from typing import Any
@@ -74,7 +78,7 @@ def bench(
         "prompt_len": prompt_len,
         "output_tokens": output_tokens,
         "repeats": repeats,
-        "method": "engines side by side, runs interleaved per (concurrency, profile) cell",
+        "method": "one engine at a time: each mode loaded alone, settled, then every (concurrency, profile) cell",
         "kv_blocks_per_engine": blocks,
         "settle_s": settle,
         "copy_bandwidth_bytes_per_s": round(bandwidth),
@@ -82,9 +86,12 @@ def bench(
         "graph_captures": {},
         "rows": [],
     }
-    engines = {}
+    total = len(concurrency) * repeats * sum(1 if m == "plain" else len(cells) for m in modes)
+    total += len(concurrency) * repeats if peer else 0
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    floor, vocab = 0.0, 0  # from the first engine's target (every mode loads the same one)
     for mode in modes:
-        first = AcceptanceOverride(cells[0], seed) if cells[0] is not None and mode != "plain" else None
         e = engine_for(
             mode,
             target,
@@ -93,54 +100,44 @@ def bench(
             synthetic=synthetic,
             max_num_seqs=max(concurrency),
             max_model_len=context,
-            override=first,
+            override=AcceptanceOverride(cells[0], seed) if cells[0] is not None and mode != "plain" else None,
             graph_mode=graph_mode,
             num_blocks=blocks,
         )
         t = time.perf_counter()
         shapes = e.capture_graphs()  # no timed step pays a capture
         results["graph_captures"][mode] = {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}
-        engines[mode] = e
-    any_engine = next(iter(engines.values()))
-    tbytes = target_weight_bytes(any_engine.target)
-    floor, vocab = bandwidth / tbytes, any_engine.target.cfg.vocab_size
-    own_bytes = tbytes
-    drafter = next((e.drafter for e in engines.values() if e.drafter is not None), None)  # one checkpoint
-    if drafter is not None:
-        own_bytes = tbytes + drafter_weight_bytes(drafter)
-        results.update(drafter_weight_bytes=own_bytes - tbytes)
-    results.update(target_weight_bytes=tbytes, graph_mode=any_engine.config.graph_mode_name)
-    _settle(any_engine, make_prompts(prompts, max(concurrency), prompt_len, vocab, target, seed), settle)
-
-    total = len(concurrency) * len(cells) * repeats * len(engines) + (len(concurrency) * repeats if peer else 0)
-    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
-    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    for c in concurrency:
-        batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
-        for prof in cells:
-            override = AcceptanceOverride(prof, seed) if prof is not None else None
-            labels = {}
-            for mode, e in engines.items():
+        if not floor:
+            tbytes = target_weight_bytes(e.target)
+            floor, vocab = bandwidth / tbytes, e.target.cfg.vocab_size
+            results.update(target_weight_bytes=tbytes, graph_mode=e.config.graph_mode_name)
+        if e.drafter is not None and "drafter_weight_bytes" not in results:
+            results["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
+        own_bytes = results["target_weight_bytes"] + results.get("drafter_weight_bytes", 0)
+        _settle(e, make_prompts(prompts, max(concurrency), prompt_len, vocab, target, seed), settle)
+        for c in concurrency:
+            batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
+            for prof in cells if mode != "plain" else [None]:  # plain does not depend on the profile
+                override = AcceptanceOverride(prof, seed) if prof is not None else None
                 if mode != "plain":
                     set_override(e, override)
-                labels[mode] = _label(mode, override, synthetic)
+                label = _label(mode, override, synthetic)
                 run_once(e, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
                 if e.scheduler.policy is not None:
                     e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
-            for _ in range(repeats):
-                for mode, e in engines.items():
-                    row = measure_row(e, mode, labels[mode], batch, output_tokens, floor, int(own_bytes), bandwidth)
-                    runs.setdefault((mode, labels[mode], c), []).append(row)
+                for _ in range(repeats):
+                    runs.setdefault((mode, label, c), []).append(
+                        measure_row(e, mode, label, batch, output_tokens, floor, int(own_bytes), bandwidth)
+                    )
                     bar.update()
-            if profile_ops and c == concurrency[0]:
-                for mode, e in engines.items():
-                    _profile(e, batch, min(output_tokens, 16), f"{mode} {labels[mode]} c={c}")
-    results["rows"] = [aggregate(v) for v in runs.values()]
-    for e in engines.values():
+                if profile_ops and c == concurrency[0]:
+                    _profile(e, batch, min(output_tokens, 16), f"{mode} {label} c={c}")
         e.close()
-    del engines, any_engine, e  # every engine freed before the peer loads its own copy of the weights
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+        del e  # freed before the next mode's engine (or the peer) loads its own copy of the weights
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    results["rows"] = [aggregate(v) for v in runs.values()]
     if peer:
         _peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
     bar.close()

@@ -1,8 +1,8 @@
 """`refengine bench` on the CPU with quick settings (the tiny pairs, concurrency 1,2, a few tokens, 1 repeat):
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels),
 that a rejected request fails the run (exit 2 and a message), that a profile run labels every speculating
-row and reproduces the profile's tau, that the modes' runs are interleaved (plain in every cell), the bundled
-prompt sets, and the HF peer row.
+row and reproduces the profile's tau, that each mode's engine runs alone (freed before the next loads; plain
+once per concurrency), the bundled prompt sets, and the HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -16,6 +16,7 @@ import pytest
 from refengine.bench.prompts import make_prompts
 from refengine.cli import main
 from refengine.defaults import RANDOM_PAIR, TRAINED_PAIR
+from tests.adapter import first_divergence
 
 QUICK = ["bench", "--device", "cpu", "--concurrency", "1,2", "--prompt-len", "8", "--repeats", "1"]
 RANDOM = ["--target", str(RANDOM_PAIR / "target"), "--draft", str(RANDOM_PAIR / "draft")]
@@ -93,19 +94,32 @@ def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):
         assert abs(r["tau"] - 2.5) <= 0.3, r
 
 
-def test_bench_interleaves_the_modes_runs(monkeypatch):
-    """Engines side by side, one run per mode in turn within each (concurrency, profile) cell, plain in every
-    cell: a clock drift over the session falls on every mode alike."""
+def test_bench_runs_one_engine_at_a_time(monkeypatch):
+    """Each mode's engine is loaded alone: every run of one mode (all cells) before the next mode's engine is
+    built, the previous engine freed by then; plain measured once per concurrency, not once per profile."""
+    import gc
+    import weakref
+
     import refengine.bench.suite as suite
 
     order: list[tuple[str, str, int]] = []
-    measure = suite.measure_row
+    alive_at_build: list[int] = []
+    built: list[weakref.ref] = []
+    measure, make = suite.measure_row, suite.engine_for
 
     def spy(engine, mode, label, batch, *rest):
         order.append((mode, label, len(batch)))
         return measure(engine, mode, label, batch, *rest)
 
+    def build(*args, **kw):
+        gc.collect()
+        alive_at_build.append(sum(r() is not None for r in built))
+        e = make(*args, **kw)
+        built.append(weakref.ref(e))
+        return e
+
     monkeypatch.setattr(suite, "measure_row", spy)
+    monkeypatch.setattr(suite, "engine_for", build)
     res = suite.bench(
         str(RANDOM_PAIR / "target"),
         str(RANDOM_PAIR / "draft"),
@@ -117,13 +131,15 @@ def test_bench_interleaves_the_modes_runs(monkeypatch):
         repeats=2,
         profiles=["tau1", "tau3"],
     )
-    cell = [("plain", "-"), ("dflash", "profile tau1"), ("adaptive", "profile tau1")] * 2
-    assert [(m, a) for m, a, c in order[:6]] == cell and all(c == 1 for *_, c in order[:6]), order[:6]
-    assert [m for m, *_ in order[6:12]] == ["plain", "dflash", "adaptive"] * 2
-    assert len(order) == 2 * 2 * 2 * 3
-    plain = [r for r in res["rows"] if r["mode"] == "plain"]
-    assert len(plain) == 2 and all(r["repeats"] == 4 for r in plain), "plain row: its runs from every cell"
+    assert alive_at_build == [0, 0, 0], f"engines still alive when the next was built: {alive_at_build}"
+    plain = [("plain", "-", c) for c in (1, 2) for _ in range(2)]
+    spec = [("?", f"profile {p}", c) for c in (1, 2) for p in ("tau1", "tau3") for _ in range(2)]
+    expected = plain + [("dflash", *x[1:]) for x in spec] + [("adaptive", *x[1:]) for x in spec]
+    assert order == expected, f"first difference at run {first_divergence(order, expected)}"
+    rows = [r for r in res["rows"] if r["mode"] == "plain"]
+    assert len(rows) == 2 and all(r["repeats"] == 2 for r in rows)
     assert res["kv_blocks_per_engine"] > 0 and res["settle_s"] == 0.0
+    assert res["method"].startswith("one engine at a time")
 
 
 def test_bundled_prompt_sets():
