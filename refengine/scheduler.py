@@ -223,12 +223,12 @@ class Scheduler(StepRecovery):
                     self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
-            proposer = self.active_proposer if plan.capture else None  # speculating requests given span 1
+            if plan.capture:  # speculating requests given span 1: each row's features become context
+                self.active_proposer.commit_rows([(r.request_id, r.committed_len, 1) for r in plan.requests])
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
-                if proposer is not None:
-                    proposer.commit_context(req.request_id, req.committed_len, 1)
+                if plan.capture:
                     req.spec.record(1, 1)
                 self._append(req, [result.argmax[i][-1]])
             if plan.capture:
@@ -277,10 +277,11 @@ class Scheduler(StepRecovery):
             if req.finished:
                 self._drop(req)
                 self._done.append(req)
+        seq_len = self.pool.seq_len
         for req in plan.requests:
             if req.finished:
                 continue
-            kv = self.pool.seq_len[req.request_id]
+            kv = seq_len[req.request_id]
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
             if self.eligible(req) and self.active_proposer.context_rows(req.request_id) != kv:

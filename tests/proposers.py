@@ -57,6 +57,10 @@ class ReplayProposer:
             )
         self._rows[req_id] += rows
 
+    def commit_rows(self, commits: list[tuple[int, int, int]]) -> None:
+        for req_id, first_position, rows in commits:
+            self.commit_context(req_id, first_position, rows)
+
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         self.commit_context(req_id, start, committed)
 
