@@ -59,6 +59,14 @@ def add_bench_parser(sub) -> None:
         default="random",
         help="random token ids, or the trained tiny pair's bundled code / prose / chat prompts",
     )
+    p.add_argument(
+        "--settle-s", type=float, default=None, help="seconds of untimed load before each mode's runs (CUDA: 15)"
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure every mode in this process (CUDA default: a fresh process per mode; see docs/PERF.md)",
+    )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
     p.add_argument(
@@ -121,6 +129,8 @@ def _cmd(args) -> int:
         seed=args.seed,
         profile_ops=args.profile,
         graph_mode=args.graph_mode,
+        settle_s=args.settle_s,
+        isolate=False if args.in_process else None,
     )
     print_table(
         res["rows"],

@@ -1,19 +1,24 @@
-"""The measurement behind `refengine bench`: one engine at a time. Each mode's engine is loaded alone (a KV
-pool of exactly the blocks the bench needs), captures all its graph shapes, loads the device for SETTLE_S
-seconds (on CUDA, so no row gets the cold chip), runs every (concurrency, acceptance profile) cell (a
-discarded warm-up, then `repeats` measured runs) and is freed before the next mode loads.
+"""The measurement behind `refengine bench`: one engine at a time, on CUDA each in a fresh process. Each mode's
+engine is loaded alone (a KV pool of exactly the blocks the bench needs), captures all its graph shapes,
+loads the device for SETTLE_S seconds (on CUDA, so no row gets the cold chip), runs every (concurrency,
+acceptance profile) cell (a discarded warm-up, then `repeats` measured runs) and exits. Plain does not depend
+on the acceptance profile: its row per concurrency is measured once.
 
-Why not side by side: with several engines resident in one process, the H200 replayed the same decode graph
-at different speeds depending on what else ran in the run (measured: an adaptive engine forced to span 1 at
-c1, 3.48 ms per replay, but 3.74-3.83 ms when any drafter work ran in that run; the extra time is between
-kernels, not in them). With one engine resident, that drafter work changed nothing (3.58 ms either way). A
-deployment runs one engine, so the bench does too. Plain does not depend on the acceptance profile: its row
-per concurrency is measured once.
+Why, measured on the H200 (docs/PERF.md, sixth session):
+- side by side, the same decode graph replayed at different speeds depending on what the other engines ran
+  (an adaptive engine forced to span 1 at c1: 3.48 ms a replay, but 3.74-3.83 ms when any drafter work ran
+  in that run; the kernels took the same time, the gaps between them did not). With one engine resident
+  that work changed nothing (3.58 ms either way).
+- one after another in one process, even with the previous engine freed, the first engine ran faster: on
+  one machine, plain first then adaptive third gave adaptive / plain 0.86-0.90 at tau 1; adaptive first
+  then plain second gave 1.00-1.03. A deployment runs one engine in its process; so does each mode here.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
+import multiprocessing
 import sys
 import time
 from typing import Any
@@ -36,6 +41,8 @@ from refengine.kv.pool import blocks_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile, parse_profile
 
 MODES = ("plain", "dflash", "adaptive")
+METHOD_ISOLATED = "each mode in a fresh process: loaded, settled, then every (concurrency, profile) cell"
+METHOD_IN_PROCESS = "one engine at a time in this process: each mode loaded alone, settled, every cell, freed"
 SETTLE_S = 15.0  # CUDA: seconds of load before the first measured run
 
 
@@ -59,7 +66,9 @@ def bench(
     profile_ops: bool = False,
     graph_mode: str | None = None,
     settle_s: float | None = None,
+    isolate: bool | None = None,
 ) -> dict[str, Any]:
+    """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process."""
     from tqdm import tqdm
 
     if draft is None:
@@ -78,7 +87,6 @@ def bench(
         "prompt_len": prompt_len,
         "output_tokens": output_tokens,
         "repeats": repeats,
-        "method": "one engine at a time: each mode loaded alone, settled, then every (concurrency, profile) cell",
         "kv_blocks_per_engine": blocks,
         "settle_s": settle,
         "copy_bandwidth_bytes_per_s": round(bandwidth),
@@ -86,63 +94,108 @@ def bench(
         "graph_captures": {},
         "rows": [],
     }
-    total = len(concurrency) * repeats * sum(1 if m == "plain" else len(cells) for m in modes)
-    total += len(concurrency) * repeats if peer else 0
-    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    job = dict(
+        target=target,
+        draft=draft,
+        device=device,
+        synthetic=synthetic,
+        concurrency=list(concurrency),
+        prompt_len=prompt_len,
+        output_tokens=output_tokens,
+        repeats=repeats,
+        profiles=list(profiles or []),
+        prompts=prompts,
+        context=context,
+        blocks=blocks,
+        seed=seed,
+        profile_ops=profile_ops,
+        graph_mode=graph_mode,
+        settle=settle,
+        bandwidth=bandwidth,
+    )
+    isolate = device.startswith("cuda") if isolate is None else isolate
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    floor, vocab = 0.0, 0  # from the first engine's target (every mode loads the same one)
+    floor, vocab = 0.0, 0
     for mode in modes:
-        e = engine_for(
-            mode,
-            target,
-            draft,
-            device=device,
-            synthetic=synthetic,
-            max_num_seqs=max(concurrency),
-            max_model_len=context,
-            override=AcceptanceOverride(cells[0], seed) if cells[0] is not None and mode != "plain" else None,
-            graph_mode=graph_mode,
-            num_blocks=blocks,
-        )
-        t = time.perf_counter()
-        shapes = e.capture_graphs()  # no timed step pays a capture
-        results["graph_captures"][mode] = {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}
-        if not floor:
-            tbytes = target_weight_bytes(e.target)
-            floor, vocab = bandwidth / tbytes, e.target.cfg.vocab_size
-            results.update(target_weight_bytes=tbytes, graph_mode=e.config.graph_mode_name)
-        if e.drafter is not None and "drafter_weight_bytes" not in results:
-            results["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
-        own_bytes = results["target_weight_bytes"] + results.get("drafter_weight_bytes", 0)
-        _settle(e, make_prompts(prompts, max(concurrency), prompt_len, vocab, target, seed), settle)
-        for c in concurrency:
-            batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
-            for prof in cells if mode != "plain" else [None]:  # plain does not depend on the profile
-                override = AcceptanceOverride(prof, seed) if prof is not None else None
-                if mode != "plain":
-                    set_override(e, override)
-                label = _label(mode, override, synthetic)
-                run_once(e, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
-                if e.scheduler.policy is not None:
-                    e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
-                for _ in range(repeats):
-                    runs.setdefault((mode, label, c), []).append(
-                        measure_row(e, mode, label, batch, output_tokens, floor, int(own_bytes), bandwidth)
-                    )
-                    bar.update()
-                if profile_ops and c == concurrency[0]:
-                    _profile(e, batch, min(output_tokens, 16), f"{mode} {label} c={c}")
-        e.close()
-        del e  # freed before the next mode's engine (or the peer) loads its own copy of the weights
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        if isolate:  # a fresh process per mode (see the module docstring)
+            ctx = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                out = pool.submit(measure_mode, mode, job).result()
+        else:
+            out = measure_mode(mode, job)
+        runs.update(out.pop("runs"))
+        results["graph_captures"][mode] = out.pop("graph_capture")
+        floor, vocab = out.pop("floor"), out.pop("vocab")
+        results.update(out)
+    results["method"] = METHOD_ISOLATED if isolate else METHOD_IN_PROCESS
     results["rows"] = [aggregate(v) for v in runs.values()]
     if peer:
+        bar = tqdm(total=len(concurrency) * repeats, desc="bench hf", unit="run", file=sys.stderr)
         _peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
-    bar.close()
+        bar.close()
     results["rows"].sort(key=lambda r: (r["concurrency"], r["mode"], r["acceptance"]))
     return results
+
+
+def measure_mode(mode: str, job: dict[str, Any]) -> dict[str, Any]:
+    """One mode's engine: load, capture every graph shape, settle, then every (concurrency, profile) cell.
+    Returns its runs by (mode, label, concurrency) and what the JSON records about it. Runs in a fresh
+    process on CUDA (a top-level function, so it pickles)."""
+    from tqdm import tqdm
+
+    j = job
+    device, prompts, target, seed = j["device"], j["prompts"], j["target"], j["seed"]
+    cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in j["profiles"]] or [None]
+    e = engine_for(
+        mode,
+        target,
+        j["draft"],
+        device=device,
+        synthetic=j["synthetic"],
+        max_num_seqs=max(j["concurrency"]),
+        max_model_len=j["context"],
+        override=AcceptanceOverride(cells[0], seed) if cells[0] is not None and mode != "plain" else None,
+        graph_mode=j["graph_mode"],
+        num_blocks=j["blocks"],
+    )
+    t = time.perf_counter()
+    shapes = e.capture_graphs()  # no timed step pays a capture
+    out: dict[str, Any] = {"graph_capture": {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}}
+    tbytes = target_weight_bytes(e.target)
+    floor, vocab = j["bandwidth"] / tbytes, e.target.cfg.vocab_size
+    out.update(floor=floor, vocab=vocab, target_weight_bytes=tbytes, graph_mode=e.config.graph_mode_name)
+    if e.drafter is not None:
+        out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
+    own_bytes = tbytes + out.get("drafter_weight_bytes", 0)
+    concurrency, repeats, output_tokens = j["concurrency"], j["repeats"], j["output_tokens"]
+    _settle(e, make_prompts(prompts, max(concurrency), j["prompt_len"], vocab, target, seed), j["settle"])
+    todo = len(concurrency) * repeats * (1 if mode == "plain" else len(cells))
+    bar = tqdm(total=todo, desc=f"bench {mode}", unit="run", file=sys.stderr)
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for c in concurrency:
+        batch = make_prompts(prompts, c, j["prompt_len"], vocab, target, seed)
+        for prof in cells if mode != "plain" else [None]:  # plain does not depend on the profile
+            override = AcceptanceOverride(prof, seed) if prof is not None else None
+            if mode != "plain":
+                set_override(e, override)
+            label = _label(mode, override, j["synthetic"])
+            run_once(e, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+            if e.scheduler.policy is not None:
+                e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
+            for _ in range(repeats):
+                row = measure_row(e, mode, label, batch, output_tokens, floor, int(own_bytes), j["bandwidth"])
+                runs.setdefault((mode, label, c), []).append(row)
+                bar.update()
+            if j["profile_ops"] and c == concurrency[0]:
+                _profile(e, batch, min(output_tokens, 16), f"{mode} {label} c={c}")
+    bar.close()
+    e.close()
+    del e  # in-process: freed before the next mode's engine (or the peer) loads its own copy of the weights
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    out["runs"] = runs
+    return out
 
 
 def _label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -> str:

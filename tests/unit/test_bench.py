@@ -186,3 +186,29 @@ def test_aggregate_takes_medians_of_fields_some_runs_lack():
     assert row["tok_per_s"] == 20.0 and (row["tok_per_s_min"], row["tok_per_s_max"]) == (10.0, 30.0), row
     assert row["decode_ms_per_step"] == 5.0, row
     assert row["policy"] == {"a": 3} and row["concurrency"] == 8 and row["repeats"] == 3, row
+
+
+def test_bench_isolated_modes_match_in_process():
+    """`isolate=True` (the CUDA default) measures each mode in a fresh process: the same rows (tokens, tau
+    under a profile) as in-process, and the JSON says which method ran."""
+    import refengine.bench.suite as suite
+
+    kw = dict(
+        device="cpu",
+        synthetic=False,
+        concurrency=[2],
+        prompt_len=8,
+        output_tokens=4,
+        repeats=1,
+        modes=("plain", "dflash"),
+        profiles=["tau2.5"],
+    )
+    pair = (str(RANDOM_PAIR / "target"), str(RANDOM_PAIR / "draft"))
+    iso, inproc = suite.bench(*pair, isolate=True, **kw), suite.bench(*pair, isolate=False, **kw)
+    assert iso["method"] == suite.METHOD_ISOLATED and inproc["method"] == suite.METHOD_IN_PROCESS
+
+    def rows(res):
+        return {(r["mode"], r["acceptance"], r["concurrency"]): (r["tokens"], r.get("tau")) for r in res["rows"]}
+
+    assert rows(iso) == rows(inproc) and len(rows(iso)) == 2, (rows(iso), rows(inproc))
+    assert iso["graph_captures"].keys() == {"plain", "dflash"} and iso["drafter_weight_bytes"] > 0
