@@ -29,7 +29,7 @@ def _fails(capsys, *argv: str) -> str:
         rc = e.code
     out, err = capsys.readouterr()
     assert rc == 2, f"{' '.join(argv)}: exit {rc}, stdout {out[-300:]!r}"
-    bare = re.sub(r"\r?bench:[^\r\n]*?run/s\]", "", err)  # minus bench's progress bar
+    bare = re.sub(r"\r?bench[^:\r\n]*:[^\r\n]*?run/s\]", "", err)  # minus bench's progress bars (one per mode)
     lines = [s for s in re.split(r"[\r\n]", bare) if s.strip()]
     assert "Traceback" not in err and len(lines) == 1, f"not one line: {err!r}"
     return lines[0] + "\n"
