@@ -16,6 +16,7 @@ refengine/bench/run.py and docs/PERF.md.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -63,9 +64,10 @@ def add_bench_parser(sub) -> None:
         "--settle-s", type=float, default=None, help="seconds of untimed load before each mode's runs (CUDA: 15)"
     )
     p.add_argument(
-        "--in-process",
-        action="store_true",
-        help="measure every mode in this process (CUDA default: a fresh process per mode; see docs/PERF.md)",
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md)",
     )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
@@ -130,7 +132,7 @@ def _cmd(args) -> int:
         profile_ops=args.profile,
         graph_mode=args.graph_mode,
         settle_s=args.settle_s,
-        isolate=False if args.in_process else None,
+        isolate=args.isolate,
     )
     print_table(
         res["rows"],

@@ -212,3 +212,26 @@ def test_bench_isolated_modes_match_in_process():
 
     assert rows(iso) == rows(inproc) and len(rows(iso)) == 2, (rows(iso), rows(inproc))
     assert iso["graph_captures"].keys() == {"plain", "dflash"} and iso["drafter_weight_bytes"] > 0
+
+
+def test_bench_cli_isolate_runs_each_mode_in_a_fresh_process():
+    """`python -m refengine bench --isolate` (the CUDA default, forced here on the CPU): spawned processes
+    re-import the entry point, which must not run the CLI again; the JSON says the isolated method ran."""
+    import os
+    import subprocess
+    import sys
+
+    from refengine.bench.suite import METHOD_ISOLATED
+
+    argv = ["bench", "--device", "cpu", "--concurrency", "1", "--prompt-len", "8", "--output-tokens", "3"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "refengine", *argv, "--repeats", "1", "--isolate"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    res = json.loads(run.stdout.strip().splitlines()[-1])
+    assert res["method"] == METHOD_ISOLATED and {r["mode"] for r in res["rows"]} == {"plain", "dflash", "adaptive"}
