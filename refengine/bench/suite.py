@@ -75,6 +75,8 @@ def bench(
         modes = tuple(m for m in modes if m == "plain")
     cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in profiles or []] or [None]
     bandwidth = measure_copy_bandwidth(device)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the measurement's buffers: the modes' engines (or processes) need the memory
     context = max_model_len or prompt_len + output_tokens + 16
     blocks = max(concurrency) * blocks_for(context, DEFAULT_PAGE_SIZE)
     settle = (SETTLE_S if device.startswith("cuda") else 0.0) if settle_s is None else settle_s
