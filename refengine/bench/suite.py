@@ -21,6 +21,7 @@ import gc
 import multiprocessing
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,23 +97,23 @@ def bench(
         "graph_captures": {},
         "rows": [],
     }
-    job = dict(
+    job = ModeJob(
         target=target,
         draft=draft,
         device=device,
         synthetic=synthetic,
-        concurrency=list(concurrency),
+        concurrency=tuple(concurrency),
         prompt_len=prompt_len,
         output_tokens=output_tokens,
         repeats=repeats,
-        profiles=list(profiles or []),
+        profiles=tuple(profiles or ()),
         prompts=prompts,
         context=context,
         blocks=blocks,
         seed=seed,
         profile_ops=profile_ops,
         graph_mode=graph_mode,
-        settle=settle,
+        settle_s=settle,
         bandwidth=bandwidth,
     )
     isolate = device.startswith("cuda") if isolate is None else isolate
@@ -139,62 +140,86 @@ def bench(
     return results
 
 
-def measure_mode(mode: str, job: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ModeJob:
+    """What one mode's measurement needs (pickled to a fresh process on CUDA); bench() validates the inputs."""
+
+    target: str
+    draft: str | None
+    device: str
+    synthetic: bool
+    concurrency: tuple[int, ...]
+    prompt_len: int
+    output_tokens: int
+    repeats: int
+    profiles: tuple[str, ...]
+    prompts: str
+    context: int  # the engine's max_model_len
+    blocks: int  # its KV pool
+    seed: int
+    profile_ops: bool
+    graph_mode: str | None
+    settle_s: float
+    bandwidth: float  # measured copy bandwidth, bytes/s: the floors
+
+
+def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     """One mode's engine: load, capture every graph shape, settle, then every (concurrency, profile) cell.
     Returns its runs by (mode, label, concurrency) and what the JSON records about it. Runs in a fresh
     process on CUDA (a top-level function, so it pickles)."""
     from tqdm import tqdm
 
-    j = job
-    device, prompts, target, seed = j["device"], j["prompts"], j["target"], j["seed"]
-    cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in j["profiles"]] or [None]
+    cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in j.profiles] or [None]
     e = engine_for(
         mode,
-        target,
-        j["draft"],
-        device=device,
-        synthetic=j["synthetic"],
-        max_num_seqs=max(j["concurrency"]),
-        max_model_len=j["context"],
-        override=AcceptanceOverride(cells[0], seed) if cells[0] is not None and mode != "plain" else None,
-        graph_mode=j["graph_mode"],
-        num_blocks=j["blocks"],
+        j.target,
+        j.draft,
+        device=j.device,
+        synthetic=j.synthetic,
+        max_num_seqs=max(j.concurrency),
+        max_model_len=j.context,
+        override=AcceptanceOverride(cells[0], j.seed) if cells[0] is not None and mode != "plain" else None,
+        graph_mode=j.graph_mode,
+        num_blocks=j.blocks,
     )
     t = time.perf_counter()
     shapes = e.capture_graphs()  # no timed step pays a capture
     out: dict[str, Any] = {"graph_capture": {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}}
     tbytes = target_weight_bytes(e.target)
-    floor, vocab = j["bandwidth"] / tbytes, e.target.cfg.vocab_size
+    floor, vocab = j.bandwidth / tbytes, e.target.cfg.vocab_size
     out.update(floor=floor, vocab=vocab, target_weight_bytes=tbytes, graph_mode=e.config.graph_mode_name)
     if e.drafter is not None:
         out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
     own_bytes = tbytes + out.get("drafter_weight_bytes", 0)
-    concurrency, repeats, output_tokens = j["concurrency"], j["repeats"], j["output_tokens"]
-    _settle(e, make_prompts(prompts, max(concurrency), j["prompt_len"], vocab, target, seed), j["settle"])
-    todo = len(concurrency) * repeats * (1 if mode == "plain" else len(cells))
-    bar = tqdm(total=todo, desc=f"bench {mode}", unit="run", file=sys.stderr)
+    _settle(e, make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed), j.settle_s)
+    bar = tqdm(
+        total=len(j.concurrency) * j.repeats * (1 if mode == "plain" else len(cells)),
+        desc=f"bench {mode}",
+        unit="run",
+        file=sys.stderr,
+    )
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    for c in concurrency:
-        batch = make_prompts(prompts, c, j["prompt_len"], vocab, target, seed)
+    for c in j.concurrency:
+        batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
         for prof in cells if mode != "plain" else [None]:  # plain does not depend on the profile
-            override = AcceptanceOverride(prof, seed) if prof is not None else None
+            override = AcceptanceOverride(prof, j.seed) if prof is not None else None
             if mode != "plain":
                 set_override(e, override)
-            label = _label(mode, override, j["synthetic"])
-            run_once(e, batch, min(output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+            label = _label(mode, override, j.synthetic)
+            run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
             if e.scheduler.policy is not None:
                 e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
-            for _ in range(repeats):
-                row = measure_row(e, mode, label, batch, output_tokens, floor, int(own_bytes), j["bandwidth"])
+            for _ in range(j.repeats):
+                row = measure_row(e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth)
                 runs.setdefault((mode, label, c), []).append(row)
                 bar.update()
-            if j["profile_ops"] and c == concurrency[0]:
-                _profile(e, batch, min(output_tokens, 16), f"{mode} {label} c={c}")
+            if j.profile_ops and c == j.concurrency[0]:
+                _profile(e, batch, min(j.output_tokens, 16), f"{mode} {label} c={c}")
     bar.close()
     e.close()
     del e  # in-process: freed before the next mode's engine (or the peer) loads its own copy of the weights
     gc.collect()
-    if device.startswith("cuda"):
+    if j.device.startswith("cuda"):
         torch.cuda.empty_cache()
     out["runs"] = runs
     return out

@@ -31,8 +31,8 @@ Model (all online, with priors):
   budget: charged to it, a few hundred new requests left the budget negative for good, and a workload whose
   first blocks accept poorly stayed plain while fixed spans ran 3.4x faster; tests/unit/test_adaptive.py):
   every request drafts a full block on its first step, so the population rate follows the requests now
-  running. So where plain wins, adaptive loses one speculative step per
-  request plus about EXPLORE_BUDGET to plain decode (and the error of its predictions).
+  running. So where plain wins, adaptive loses one speculative step per request plus about EXPLORE_BUDGET
+  to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations

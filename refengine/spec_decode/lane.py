@@ -131,41 +131,11 @@ class DFlashLane:
         self.append_pending_context(req_id, feats if rows == n else feats[:rows], first_position)
 
     def commit_rows(self, commits: list[tuple[int, int, int]]) -> None:
-        """commit_context for each (req_id, first_position, rows), in order. A decode step of B speculating
-        requests commits its B rows here: on the H200 host the per-request calls cost ~0.2 ms a step at B=32
-        (docs/PERF.md), so an item that passes every check is appended inline and the host bound is checked
-        once per call; any other item takes commit_context (which raises its precise error)."""
-        staged, ctx, width, off_device = self._staged, self._ctx, self._width, self._off_device
-        host = 0
+        """commit_context for each (req_id, first_position, rows), in order: a decode step's commits in one
+        call. Every row still goes through append_pending_context (the seam tests/adapter.FeatureRecorder
+        wraps)."""
         for req_id, first_position, rows in commits:
-            item, c = staged.get(req_id), ctx.get(req_id)
-            if item is None or c is None:
-                self.commit_context(req_id, first_position, rows)  # raises
-                continue
-            start, feats = item
-            if (
-                start != first_position
-                or first_position != c.length + c.pending_rows
-                or not 0 < rows <= feats.shape[0]
-                or first_position + rows > c.capacity
-                or feats.dim() != 2
-                or feats.shape[1] != width
-            ):
-                self.commit_context(req_id, first_position, rows)  # raises its precise error
-                continue
-            del staged[req_id]
-            if rows != feats.shape[0]:
-                feats = feats[:rows]
-            c.pending.append(feats)
-            c.pending_rows += rows
-            if off_device(feats):
-                b = nbytes(feats)
-                c.host_bytes += b
-                host += b
-        if host:
-            self._host_bytes += host
-            if self._host_bytes > HOST_PENDING_BYTES:
-                self._host_rows_to_device()
+            self.commit_context(req_id, first_position, rows)
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
@@ -198,8 +168,9 @@ class DFlashLane:
         c.pending.append(feats)
         c.pending_rows += shape[0]
         if self._off_device(feats):
-            c.host_bytes += nbytes(feats)
-            self._host_bytes += nbytes(feats)
+            b = nbytes(feats)
+            c.host_bytes += b
+            self._host_bytes += b
             if self._host_bytes > HOST_PENDING_BYTES:
                 self._host_rows_to_device()
 

@@ -1,7 +1,8 @@
 """The DFlash lane's batched commit (DFlashLane.commit_rows, what a decode step of speculating requests calls):
 it leaves exactly the state commit_context item by item leaves (pending rows, their order and values, host
-bytes), drops the staged rows it commits, and a bad item raises the same AlignmentError as commit_context,
-with the items before it committed.
+bytes), drops the staged rows it commits, hands every row through append_pending_context (the seam
+tests/adapter.FeatureRecorder wraps), and a bad item raises the same AlignmentError as commit_context, with
+the items before it committed.
 
 Run: pytest tests/unit/test_commit_rows.py
 """
@@ -44,8 +45,16 @@ def _state(lane):
 
 def test_commit_rows_equals_commit_context_item_by_item(trained_pair):
     one, many = _lane(trained_pair), _lane(trained_pair)
-    for lane in (one, many):  # requests 0 and 2: rows held "off the device" (a plain step's rows on the host)
+    for lane in (one, many):  # every row held "off the device" (a plain step's rows on the host)
         lane._off_device = lambda feats: True
+    seen: list[tuple[int, int]] = []
+    append = many.append_pending_context
+
+    def recording_append(req_id, feats, first_position):
+        seen.append((req_id, first_position))
+        return append(req_id, feats, first_position)
+
+    many.append_pending_context = recording_append
     for step in range(4):
         for r, pos, rows in _stage(one, step):
             one.commit_context(r, pos, rows)
@@ -57,6 +66,7 @@ def test_commit_rows_equals_commit_context_item_by_item(trained_pair):
         delta = (a[r][3] - b[r][3]).abs().max().item()
         assert delta == 0.0, f"request {r}: pending rows differ, max delta {delta}"
     assert one._host_bytes == many._host_bytes == sum(v[2] for v in b.values()) > 0
+    assert seen == [(r, p) for p in range(4) for r in range(3)], f"rows past the append seam: {seen}"
 
 
 def test_commit_rows_raises_commit_contexts_error(trained_pair):
