@@ -3,12 +3,11 @@ to maximise expected committed tokens per second. Pure Python (no torch): the sc
 step costs and per-request acceptance, and asks it for spans.
 
 Model (all online, with priors):
-- acceptance: each request has a per-position acceptance rate a_i under a geometric model, estimated from
-  decayed counts: after a verify of span S accepting m drafts, s_i <- DECAY*s_i + m and f_i <- DECAY*f_i +
-  [m < S-1] (a rejection was seen); a_i = (s_i + W*A) / (s_i + f_i + W), where A, the population rate, is
-  the same estimate over every request's observations (decayed per observation) and W = PRIOR_WEIGHT. So a
-  new request starts at what the workload has been accepting (and its first-step probe adds its own). The expected
-  tokens a span S commits are E_i(S) = 1 + a_i + ... + a_i^(S-1).
+- acceptance (refengine/spec_decode/acceptance_estimate.py): per request and draft position, the chance a
+  draft is accepted given the earlier ones were, from decayed counts shrunk toward the population's rate at
+  that position (and that toward the pooled rate). So a new request starts at what the workload has been
+  accepting (and its first-step probe adds its own), and E_i(S), the tokens a span S is expected to commit,
+  follows whatever shape acceptance has along the block (not only geometric).
 - cost (refengine/spec_decode/step_costs.py): V(N, R) for a verify of N requests computing R rows (R is what
   the runner computes, `executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the
   real rows), D(M) for a draft of M requests, P(N) for a step where every span is 1 (a plain decode step,
@@ -30,8 +29,9 @@ Model (all online, with priors):
   of those probes is not budgeted (its regret is counted apart, `probe_regret_s`, and never spends the
   budget: charged to it, a few hundred new requests left the budget negative for good, and a workload whose
   first blocks accept poorly stayed plain while fixed spans ran 3.4x faster; tests/unit/test_adaptive.py):
-  every request drafts a full block on its first step, so the population rate follows the requests now
-  running. So where plain wins, adaptive loses one speculative step per request plus about EXPLORE_BUDGET
+  every request drafts a full block on its first step (also when the choice gives it a shorter span: a
+  short span tests only the first positions), so the population's rates follow the requests now running,
+  at every position. So where plain wins, adaptive loses one speculative step per request plus about EXPLORE_BUDGET
   to plain decode (and the error of its predictions).
 """
 
@@ -42,12 +42,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refengine.spec_decode.span_choice import Decision, RowsFn, choose_spans, expected_tokens, real_rows
+from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
-DECAY = 0.9
-POP_DECAY = 0.95  # per request-observation: the population rate follows the workload over ~20 of them
-PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
 PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
 EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
@@ -61,9 +59,8 @@ class AdaptivePolicy:
     block_size: int
     cost: CostModel = field(default_factory=CostModel)
     rows: RowsFn = real_rows
-    counts: dict[int, tuple[float, float]] = field(default_factory=dict)  # req -> (accepted, rejected)
+    acceptance: AcceptanceEstimates | None = None  # per request and position (made from block_size)
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
-    population: tuple[float, float] = (0.0, 0.0)  # every request's (accepted, rejected), decayed per observation
     interval: int = MIN_EXPLORE
     steps: int = 0
     elapsed_s: float = 0.0  # measured time of the steps observed so far
@@ -76,7 +73,7 @@ class AdaptivePolicy:
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
-    last_mean_alpha: float | None = None
+    last_mean_expected: float | None = None  # mean E_i(B) over the requests of the last full decision
     _decisions_before: int = 0
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
@@ -84,6 +81,7 @@ class AdaptivePolicy:
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
 
     def __post_init__(self) -> None:
+        self.acceptance = self.acceptance or AcceptanceEstimates(self.block_size)
         self.bind_shapes(self.rows, None)
 
     def bind_shapes(
@@ -91,6 +89,7 @@ class AdaptivePolicy:
     ) -> None:
         """The runner's step shapes: `rows(n, real_rows)` computed by a verify, and the batch buckets of a
         target step / a draft (the cost table's keys)."""
+        self._executed: dict[int, tuple[int, ...]] = {}  # n -> executed rows by real rows (choose_spans)
         if rows is not None:
             self.rows = functools.lru_cache(maxsize=4096)(rows)  # a pure function of (n, rows): memoised
         if buckets is not None:  # pure functions of the request count: memoised (looked up every step)
@@ -101,15 +100,14 @@ class AdaptivePolicy:
         self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
         self._decisions_before = self.steps
 
-    def population_alpha(self) -> float:
-        s, f = self.population
-        return (s + 0.5) / (s + f + 1.0)  # 0.5 before any evidence
+    @property
+    def estimates(self) -> AcceptanceEstimates:
+        assert self.acceptance is not None  # set in __post_init__
+        return self.acceptance
 
-    def alpha(self, req_id: int, population: float | None = None) -> float:
-        """The request's acceptance estimate, shrunk toward the population rate (pass it to reuse it)."""
-        s, f = self.counts.get(req_id, (0.0, 0.0))
-        pop = self.population_alpha() if population is None else population
-        return (s + PRIOR_WEIGHT * pop) / (s + f + PRIOR_WEIGHT)
+    def expected(self, req_id: int) -> Table:
+        """E(s) for s = 0..B: the tokens a span s is expected to commit for this request now."""
+        return self.estimates.tables([req_id])[0]
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
@@ -120,14 +118,16 @@ class AdaptivePolicy:
             self.caps[1] += 1
             return [1] * len(req_ids)
         self._settled = False
-        pop = self.population_alpha()
-        alphas = [self.alpha(r, pop) for r in req_ids]
+        tables = self.estimates.tables(req_ids)
         d = self._cached if self._cache_key == key and self._cached is not None else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
         if d is None:
-            d = choose_spans(alphas, remaining, self.block_size, self.cost, self.rows)
+            n = len(req_ids)
+            if n not in self._executed:
+                self._executed[n] = executed_rows(self.rows, n, self.block_size)
+            d = choose_spans(tables, remaining, self.block_size, self.cost, self.rows, self._executed[n])
             self._cache_key, self._cached = key, (d if d.cap == 1 else None)
-        self.last_mean_alpha = sum(alphas) / len(alphas)
+        self.last_mean_expected = sum(e[-1] for e in tables) / len(tables)
         self.steps += 1
         self.last = d
         b, n, spec = self.block_size, len(req_ids), d.cap > 1
@@ -138,7 +138,7 @@ class AdaptivePolicy:
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
             trial = [1] * n if spec else [max(1, min(b, r)) for r in remaining]
             budget = self._budget(remaining)
-            regret = self._regret(trial, alphas, d)
+            regret = self._regret(trial, tables, d)
             if regret > budget:
                 self._next_explore = self.steps + MIN_EXPLORE  # not affordable yet: look again later
             else:
@@ -149,12 +149,13 @@ class AdaptivePolicy:
                 self._next_explore = self.steps + self.interval
                 self.explored += 1
                 return trial
-        new = [i for i, r in enumerate(req_ids) if d.spans[i] == 1 and remaining[i] > 1 and r not in self.drafted]
-        if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once
+        new = [i for i, r in enumerate(req_ids) if d.spans[i] < min(b, remaining[i]) and r not in self.drafted]
+        if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
+            # and evidence on every position (spans chosen short test only the first few)
             spans = list(d.spans)
             for i in new:
                 spans[i] = min(b, remaining[i])
-            self.probe_regret_s += self._regret(spans, alphas, d)  # not budgeted: paid by their own generation
+            self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
             self.probes += len(new)
             self.caps[d.cap] += 1
             return spans
@@ -163,13 +164,13 @@ class AdaptivePolicy:
             budget = self._budget(remaining) if budget is None else budget
             trial = list(d.spans)
             trial[fresh[0]] = min(b, remaining[fresh[0]])
-            one = self._regret(trial, alphas, d)
+            one = self._regret(trial, tables, d)
             k = len(fresh) if one <= budget else 0  # when one probe is unaffordable, so is any: no search
             while k:
                 trial = list(d.spans)
                 for i in fresh[:k]:
                     trial[i] = min(b, remaining[i])
-                regret = self._regret(trial, alphas, d) if k > 1 else one
+                regret = self._regret(trial, tables, d) if k > 1 else one
                 if regret <= budget:
                     self.regret_s += regret
                     self.probes += k
@@ -189,13 +190,13 @@ class AdaptivePolicy:
         ahead = sum(remaining) * self.cost.plain_s(n) / n
         return EXPLORE_BUDGET * (self.elapsed_s + ahead) - self.regret_s
 
-    def _regret(self, spans: list[int], alphas: list[float], d: Decision) -> float:
+    def _regret(self, spans: list[int], tables: list[Table], d: Decision) -> float:
         """Predicted regret of an exploring choice: its time minus the time the chosen spans need for the same
         expected tokens."""
         n, drafted = len(spans), sum(s > 1 for s in spans)
         if drafted:
             t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
-            tokens = sum(expected_tokens(a, s) for a, s in zip(alphas, spans))
+            tokens = sum(e[s] for e, s in zip(tables, spans))
         else:
             t, tokens = self.cost.plain_s(n), float(n)
         return max(0.0, t - tokens / d.predicted_tok_per_s)
@@ -216,16 +217,12 @@ class AdaptivePolicy:
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
         if span <= 1:
             return  # no drafts: nothing learnt about acceptance
-        rejected = 1.0 if accepted < span - 1 else 0.0
-        s, f = self.counts.get(req_id, (0.0, 0.0))
-        self.counts[req_id] = (DECAY * s + accepted, DECAY * f + rejected)
+        self.estimates.observe(req_id, span, accepted)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
-        ps, pf = self.population
-        self.population = (POP_DECAY * ps + accepted, POP_DECAY * pf + rejected)
 
     def release(self, req_id: int) -> None:
-        self.counts.pop(req_id, None)
+        self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
 
     def summary(self) -> dict:
@@ -259,8 +256,10 @@ class AdaptivePolicy:
             },
             "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
             "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
-            "last_mean_acceptance_alpha": round(self.last_mean_alpha, 4) if self.last_mean_alpha is not None else None,
-            "population_acceptance_alpha": round(self.population_alpha(), 4),
+            "last_mean_expected_tokens_full_span": (
+                round(self.last_mean_expected, 3) if self.last_mean_expected is not None else None
+            ),
+            **self.estimates.summary(),
             "cost_table_ms": {
                 kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
                 for kind, table in self.cost.tables.items()

@@ -15,9 +15,10 @@ import pytest
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
+from refengine.spec_decode.acceptance_estimate import geometric_table, table_from_rates
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
 from refengine.spec_decode.adaptive import AdaptivePolicy
-from refengine.spec_decode.span_choice import _spec_bound, choose_spans, expected_tokens
+from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel
 
 B = 16
@@ -30,35 +31,40 @@ def _alpha_for_tau(tau: float) -> float:
     lo, hi = 0.0, 0.999
     for _ in range(50):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if expected_tokens(mid, B) < tau else (lo, mid)
+        lo, hi = (mid, hi) if geometric_table(mid, B)[B] < tau else (lo, mid)
     return lo
 
 
+def _geo(alphas: list[float], block: int = B) -> list[list[float]]:
+    """Expected-token tables of geometric acceptance rates."""
+    return [geometric_table(a, block) for a in alphas]
+
+
 def test_tau_one_at_c32_decodes_plainly():
-    d = choose_spans([0.0] * 32, [128] * 32, B, COST)
+    d = choose_spans(_geo([0.0] * 32), [128] * 32, B, COST)
     assert d.spans == [1] * 32 and d.cap == 1, d
 
 
 def test_tau_6_5_at_c1_speculates_full_span():
-    d = choose_spans([_alpha_for_tau(6.5)], [128], B, COST)
+    d = choose_spans(_geo([_alpha_for_tau(6.5)]), [128], B, COST)
     assert d.spans == [B], d
     assert d.predicted_tok_per_s > 4 * d.plain_tok_per_s, d
 
 
 def test_mixed_acceptance_drops_only_the_poor_requests():
-    d = choose_spans([0.9] * 4 + [0.0] * 4, [128] * 8, B, COST)
+    d = choose_spans(_geo([0.9] * 4 + [0.0] * 4), [128] * 8, B, COST)
     assert all(s > 1 for s in d.spans[:4]) and d.spans[4:] == [1] * 4, d.spans
 
 
 def test_compute_bound_rows_shrink_the_span():
     # rows dominate the cost (a compute-bound verify at large batch): a moderate acceptance gets a short span
     heavy = CostModel.linear(10e-3, 0.0, 1e-4, 1e-4, 1e-5)
-    d = choose_spans([0.6] * 32, [128] * 32, B, heavy)
+    d = choose_spans(_geo([0.6] * 32), [128] * 32, B, heavy)
     assert 1 < max(d.spans) < B, d
 
 
 def test_span_never_exceeds_remaining():
-    d = choose_spans([0.95, 0.95], [3, 1], B, COST)
+    d = choose_spans(_geo([0.95, 0.95]), [3, 1], B, COST)
     assert d.spans[0] <= 3 and d.spans[1] == 1, d
 
 
@@ -69,7 +75,7 @@ def test_policy_learns_acceptance_and_costs():
         for rid, s in zip([0, 1], spans):
             pol.observe_acceptance(rid, s, 0)  # tau 1: nothing is ever accepted
         pol.observe_step(2, sum(spans), sum(s > 1 for s in spans), 3e-3 if max(spans) > 1 else 0.0, 10e-3)
-    assert pol.alpha(0) < 0.2  # a few exploration steps only (plain wins), each a rejection
+    assert pol.expected(0)[B] < 1.2  # a few exploration steps only (plain wins), each a rejection
     assert pol.choose([0, 1], [500, 500]) in ([1, 1], [B, B])  # plain, or an exploration step
     s = pol.summary()
     assert s["decisions"] == 101 and s["chosen_cap_hist"].get("1", 0) > 90 and s["explored"] <= 8, s
@@ -117,8 +123,8 @@ def test_padded_verify_graph_costs():
     # CUDA-graph-like costs: a verify step costs the same whatever its rows (padded to B per request), plain
     # decode (every span 1, the one-row decode graph) is cheaper. Low acceptance -> plain; high -> full span.
     graph = CostModel.linear(12e-3, 1e-4, 0.0, 2e-3, 5e-5, p0=8e-3, p1=5e-5)
-    assert choose_spans([_alpha_for_tau(1.3)] * 32, [128] * 32, B, graph).spans == [1] * 32
-    assert choose_spans([_alpha_for_tau(6.5)], [128], B, graph).spans == [B]
+    assert choose_spans(_geo([_alpha_for_tau(1.3)] * 32), [128] * 32, B, graph).spans == [1] * 32
+    assert choose_spans(_geo([_alpha_for_tau(6.5)]), [128], B, graph).spans == [B]
 
 
 def test_plain_steps_feed_the_plain_curve():
@@ -141,9 +147,9 @@ def test_row_caps_let_good_requests_speculate_among_poor_ones():
     # high-acceptance requests among 24 at tau 1 are worth drafting; padded to 16 rows each, they are not
     graph = CostModel.linear(5e-3, 1e-5, 2e-5, 1.2e-3, 7e-5, p0=5e-3, p1=1e-5)
     alphas, remaining = [0.0] * 24 + [0.9] * 8, [128] * 32
-    capped = choose_spans(alphas, remaining, B, graph, _graph_rows)
+    capped = choose_spans(_geo(alphas), remaining, B, graph, _graph_rows)
     assert capped.spans[:24] == [1] * 24 and min(capped.spans[24:]) > 1, capped
-    padded = choose_spans(alphas, remaining, B, graph, lambda n, r: 32 * B if r > n else n)
+    padded = choose_spans(_geo(alphas), remaining, B, graph, lambda n, r: 32 * B if r > n else n)
     assert padded.spans == [1] * 32, padded
 
 
@@ -153,31 +159,33 @@ def test_spec_bound_is_an_upper_bound_on_every_span_choice():
     for _ in range(200):
         n = rng.randint(1, 3)
         cost = CostModel.linear(*(rng.uniform(1e-4, 1e-2) for _ in range(5)), p0=rng.uniform(1e-3, 1e-2))
-        alphas, remaining = [rng.random() for _ in range(n)], [rng.randint(1, 6) for _ in range(n)]
-        bound = _spec_bound(alphas, remaining, 4, cost, _graph_rows)
+        # per-position rates, not only geometric ones
+        tables = [table_from_rates([rng.random() for _ in range(3)]) for _ in range(n)]
+        remaining = [rng.randint(1, 6) for _ in range(n)]
+        bound = _spec_bound(tables, remaining, 4, cost, _graph_rows)
         for spans in itertools.product(range(1, 5), repeat=n):
             if max(spans) == 1 or any(s > max(1, min(4, r)) for s, r in zip(spans, remaining)):
                 continue
             drafted = sum(s > 1 for s in spans)
-            rate = sum(expected_tokens(a, s) for a, s in zip(alphas, spans)) / (
+            rate = sum(e[s] for e, s in zip(tables, spans)) / (
                 cost.draft_s(drafted) + cost.verify_s(n, _graph_rows(n, sum(spans)))
             )
-            assert rate <= bound + 1e-9, (alphas, remaining, spans, rate, bound)
+            assert rate <= bound + 1e-9, (tables, remaining, spans, rate, bound)
 
 
 def test_new_requests_start_from_the_population_rate():
     pol = AdaptivePolicy(B, cost=CostModel.linear(10e-3, 2e-5, 1e-5, 3e-3, 1e-4))
     pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
-    assert pol.alpha(99) == 0.5  # no evidence anywhere yet
+    assert pol.expected(99) == geometric_table(0.5, B)  # no evidence anywhere yet
     for rid in range(40):
         pol.observe_acceptance(rid, B, 0)  # the workload accepts nothing
-    assert pol.alpha(1000) < 0.05, pol.alpha(1000)
+    assert pol.expected(1000)[B] < 1.05, pol.expected(1000)
     pol.steps = 10  # past the start-up explorations
-    d = choose_spans([pol.alpha(r) for r in range(1000, 1032)], [128] * 32, B, COST)
+    d = choose_spans([pol.expected(r) for r in range(1000, 1032)], [128] * 32, B, COST)
     assert d.spans == [1] * 32 and not d.searched, "plain must win by the bound alone, with no span search"
     for rid in range(40):
         pol.observe_acceptance(rid, B, B - 1)  # now it accepts everything
-    assert pol.alpha(2000) > 0.5 and pol.choose([2000], [128]) == [B]
+    assert pol.expected(2000)[B] > 4 and pol.choose([2000], [128]) == [B]
 
 
 def test_near_break_even_keeps_plain():
@@ -185,8 +193,8 @@ def test_near_break_even_keeps_plain():
     cost = CostModel.linear(10e-3, 0.0, 0.0, 0.0, 0.0, p0=10e-3, p1=0.0)
     cost.draft.theta = [0.0, 0.0]
     alpha = 0.0101  # E(2) = 1.0101: 1% more tokens for the same step time
-    assert choose_spans([alpha], [128], 2, cost).spans == [1]
-    assert choose_spans([0.05], [128], 2, cost).spans == [2]
+    assert choose_spans(_geo([alpha], 2), [128], 2, cost).spans == [1]
+    assert choose_spans(_geo([0.05], 2), [128], 2, cost).spans == [2]
 
 
 def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, tokens: int = 128) -> float:
@@ -198,8 +206,9 @@ def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, toke
 
 def _simulate_phases(mode: str, phases, p_first: float | None = None, true: CostModel | None = None) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
-    phase. `p_first`: the acceptance of each request's first drafting step (a drafter whose first block after
-    the prompt is poorer than the rest)."""
+    phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
+    `p_first`: the acceptance of each request's first drafting step (a drafter whose first block after the
+    prompt is poorer than the rest)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -226,7 +235,9 @@ def _simulate_phases(mode: str, phases, p_first: float | None = None, true: Cost
                     if s > 1:
                         drafted_once.add(r)
                     m = 0
-                    while m < s - 1 and rng.random() < p:
+                    if callable(p):  # a fixed-tau profile: m drawn by the profile, capped by the span
+                        m = p(rng, s)
+                    while not callable(p) and m < s - 1 and rng.random() < p:
                         m += 1
                     pol.observe_acceptance(r, s, m)
                     left[r] -= m + 1

@@ -1,0 +1,120 @@
+"""Per-position acceptance estimates of adaptive speculation (pure Python): what a verify span S is expected to
+commit for each request, E_i(S) = 1 + sum over k < S of prod over j <= k of h_ij, where h_ij is the chance
+that draft j is accepted given drafts 1..j-1 were.
+
+Why per position, not one geometric rate: the bench's fixed-tau profiles accept exactly m drafts, and real
+drafters' acceptance falls along the block. A geometric fit to "2 accepted every step" (tau 3) predicts
+E(3) = 2.1 and E(16) = 3.0, so it chose spans 5-10 where span 3 commits the same 3 tokens with a verify a
+quarter the size (H200, c32: adaptive 0.87 of plain, docs/PERF.md). Per position, E(3) = E(16) = 3.
+
+Observations: a verify of span S accepting m drafts tested positions 1..min(m + 1, S - 1): 1..m accepted,
+m + 1 rejected (when m < S - 1); later positions were not tested and keep their evidence. Decayed counts,
+each shrunk toward the level above (so a new request starts at what the workload accepts, and a position
+the workload rarely reaches falls back to the pooled rate):
+- pooled rate A = (accepted + 0.5) / (accepted + rejected + 1) over every observation (POP_DECAY each): the
+  geometric estimate, the prior of every position;
+- population h_k = (S_k + POSITION_WEIGHT * h_(k-1)) / (T_k + POSITION_WEIGHT), h_0 = A, counts decayed by
+  POP_DECAY per observation testing position k. The prior of a position is the one before it, not A: spans
+  chosen short (3 at tau 3) accept everything they test, so A climbs toward 1, and positions past the first
+  rejection are never tested; with A as their prior E(8) came out 3.85 against the true 3;
+- request h_ik = (s_ik + PRIOR_WEIGHT * h_k) / (t_ik + PRIOR_WEIGHT), decayed by DECAY per observation of
+  that request testing k.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+DECAY = 0.9  # per observation of a request testing a position
+POP_DECAY = 0.95  # per observation testing a position: the population follows the workload over ~20 of them
+PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
+POSITION_WEIGHT = 2.0  # pseudo-observations of the previous position's rate in a position's population rate
+
+
+def table_from_rates(rates: list[float]) -> list[float]:
+    """[E(0), E(1), ..., E(len(rates) + 1)] from per-position conditional acceptance rates (E(0) = 0)."""
+    survival = itertools.accumulate(rates, operator.mul)  # P(drafts 1..k all accepted)
+    return [0.0, *itertools.accumulate(survival, initial=1.0)]
+
+
+def geometric_table(alpha: float, block: int) -> list[float]:
+    """E(s) for s = 0..block when every position accepts with the same rate alpha (tests, priors)."""
+    return table_from_rates([alpha] * (block - 1))
+
+
+@dataclass
+class AcceptanceEstimates:
+    """Decayed per-position counts for each live request and for the population."""
+
+    block_size: int
+    requests: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)  # req -> (accepted, tested)
+    pooled: tuple[float, float] = (0.0, 0.0)  # every observation's (accepted drafts, rejections), decayed
+    accepted: list[float] = field(default_factory=list)  # population, per position 1..B-1
+    tested: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.block_size - 1
+        self.accepted, self.tested = [0.0] * n, [0.0] * n
+
+    def pooled_rate(self) -> float:
+        s, f = self.pooled
+        return (s + 0.5) / (s + f + 1.0)  # 0.5 before any evidence
+
+    def population_rates(self) -> list[float]:
+        """h_k for positions 1..B-1."""
+        prior, w, out = self.pooled_rate(), POSITION_WEIGHT, []
+        for s, t in zip(self.accepted, self.tested):
+            prior = (s + w * prior) / (t + w)
+            out.append(prior)
+        return out
+
+    def rates(self, req_id: int, population: list[float] | None = None) -> list[float]:
+        """The request's h_ik for positions 1..B-1 (pass population_rates() to reuse it)."""
+        pop = self.population_rates() if population is None else population
+        own = self.requests.get(req_id)
+        if own is None:
+            return pop
+        w = PRIOR_WEIGHT
+        return [(s + w * h) / (t + w) for s, t, h in zip(own[0], own[1], pop)]
+
+    def tables(self, req_ids: list[int]) -> list[list[float]]:
+        """E_i(s) for s = 0..B per request; requests with no evidence of their own share the population's."""
+        pop = self.population_rates()
+        shared: list[float] | None = None
+        out = []
+        for r in req_ids:
+            if r in self.requests:
+                out.append(table_from_rates(self.rates(r, pop)))
+            else:
+                shared = shared or table_from_rates(pop)
+                out.append(shared)
+        return out
+
+    def observe(self, req_id: int, span: int, accepted: int) -> None:
+        """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts."""
+        if span <= 1:
+            return  # no drafts: nothing learnt
+        tested = min(accepted + 1, span - 1)
+        own = self.requests.get(req_id)
+        if own is None:
+            n = self.block_size - 1
+            own = self.requests[req_id] = ([0.0] * n, [0.0] * n)
+        for k in range(tested):
+            hit = 1.0 if k < accepted else 0.0
+            own[0][k] = DECAY * own[0][k] + hit
+            own[1][k] = DECAY * own[1][k] + 1.0
+            self.accepted[k] = POP_DECAY * self.accepted[k] + hit
+            self.tested[k] = POP_DECAY * self.tested[k] + 1.0
+        s, f = self.pooled
+        self.pooled = (POP_DECAY * s + accepted, POP_DECAY * f + (1.0 if accepted < span - 1 else 0.0))
+
+    def release(self, req_id: int) -> None:
+        self.requests.pop(req_id, None)
+
+    def summary(self) -> dict:
+        return {
+            "pooled_acceptance_rate": round(self.pooled_rate(), 4),
+            "position_acceptance_rates": [round(h, 3) for h in self.population_rates()],
+        }
