@@ -29,8 +29,6 @@ from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
-_COST_TIMINGS = ("draft_s", "verify_s", "decode_s", "catch_up_s")  # runner timings the adaptive policy reads
-
 
 class Scheduler(StepRecovery):
     def __init__(
@@ -59,7 +57,7 @@ class Scheduler(StepRecovery):
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self._timings: dict[str, float] | None = None
-        self._seen: tuple[float, ...] = (0.0,) * 4  # draft_s, verify_s, decode_s, catch_up_s at the last step
+        self._seen: tuple[float, ...] = (0.0, 0.0, 0.0)  # draft_s, verify_s, decode_s at the last step
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured when the current verify plan was made
 
@@ -75,7 +73,7 @@ class Scheduler(StepRecovery):
         (a step that captured one is not a cost sample); `buckets`: the batch shapes a target step / a draft of n
         requests runs (the cost table's keys)."""
         self._timings = timings
-        self._seen = tuple(timings.get(k, 0.0) for k in _COST_TIMINGS)
+        self._seen = tuple(timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
         self._captures = captures
         if self.policy is not None:
             self.policy.bind_shapes(rows, buckets)
@@ -260,11 +258,8 @@ class Scheduler(StepRecovery):
         spans 1, decode) time."""
         if self._timings is None or self.policy is None:
             return
-        now = tuple(self._timings.get(k, 0.0) for k in _COST_TIMINGS)
-        draft_s, verify_s, decode_s, catch_up_s = (a - b for a, b in zip(now, self._seen))
-        # an eager catch-up of pending context (after a plain stretch) is a switch's cost, not a draft's: left
-        # in, the tiny pair's drafts looked 4x dearer (2.0 vs 0.5 ms on the H200) and adaptive never drafted
-        draft_s = max(draft_s - catch_up_s, 0.0)
+        now = tuple(self._timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
+        draft_s, verify_s, decode_s = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         captured = self._captures() if self._captures is not None else 0
         if captured != self._captured:  # a capture's time is not a step's cost
