@@ -23,7 +23,14 @@ from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
-from refengine.spec_decode.pending_rows import HOST_PENDING_BYTES, nbytes, on_device, runs_to_device
+from refengine.spec_decode.pending_rows import (
+    HOST_PENDING_BYTES,
+    Moved,
+    nbytes,
+    on_device,
+    runs_to_device,
+    wanted_rows,
+)
 from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
@@ -178,11 +185,14 @@ class DFlashLane:
         return feats.device != self._device
 
     def _host_rows_to_device(self) -> None:
-        """Every request's host rows to the device, one copy per run of rows (pending_rows.py)."""
-        for c in self._ctx.values():
-            if c.host_bytes:
-                c.pending = runs_to_device(c.pending, self._device)
-                c.host_bytes = 0
+        """Every request's host rows to the device: whole step tensors once where most of their rows are
+        wanted, else one copy per run of rows (pending_rows.py)."""
+        held = [c for c in self._ctx.values() if c.host_bytes]
+        wanted = wanted_rows([f for c in held for f in c.pending], self._off_device)
+        moved: Moved = {}
+        for c in held:
+            c.pending = runs_to_device(c.pending, self._device, moved, self._off_device, wanted, min_share=1.0)
+            c.host_bytes = 0
         self._host_bytes = 0
         self.host_moves += 1
 
@@ -197,6 +207,7 @@ class DFlashLane:
         bounded when many long prompts were prefilled before the first draft."""
         chunk: list[tuple[int, DraftContext, int, torch.Tensor]] = []  # (req, context, first position, rows)
         rows = 0
+        moved: Moved = {}  # host step tensors already on the device (pending_rows.runs_to_device)
         for r in req_ids:
             c = self._ctx[r]
             pos = c.length
@@ -204,17 +215,17 @@ class DFlashLane:
                 for lo in range(0, f.shape[0], FLUSH_ROWS):
                     part = f[lo : lo + FLUSH_ROWS]
                     if rows + part.shape[0] > FLUSH_ROWS:
-                        self._project(chunk)
+                        self._project(chunk, moved)
                         chunk, rows = [], 0
                     chunk.append((r, c, pos, part))
                     pos += part.shape[0]
                     rows += part.shape[0]
             self._clear_pending(c)
         if chunk:
-            self._project(chunk)
+            self._project(chunk, moved)
 
-    def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]]) -> None:
-        feats = on_device([f for *_, f in chunk], self._device)  # [R, F*H]
+    def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]], moved: Moved) -> None:
+        feats = on_device([f for *_, f in chunk], self._device, moved, self._off_device)  # [R, F*H]
         positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, _, p, f in chunk]).to(feats.device)
         slots = torch.cat([self.pool.slots(r, p, p + f.shape[0]) for r, _, p, f in chunk]).to(feats.device)
         m = self.drafter.mcfg
@@ -270,7 +281,7 @@ class DFlashLane:
         c = self._ctx[req_id]
         if not c.pending_rows:
             return None
-        rows = on_device(c.pending, self._device)
+        rows = on_device(c.pending, self._device, off=self._off_device)
         c.length += c.pending_rows
         self._clear_pending(c)
         return rows

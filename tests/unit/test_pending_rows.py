@@ -9,7 +9,9 @@ and drafts now and then:
 - the drafts are exactly those of the same run without the bound (on the CPU nothing really moves: the
   order of moved runs is checked with the "meta" device, the real move by the GPU test
   `test_gpu_decode_features_on_the_host_give_the_same_drafts`);
-- the output equals eager greedy.
+- the output equals eager greedy;
+- a step tensor whose rows are mostly wanted by one flush moves to the device whole, once, and is sliced
+  there (the values and order checked on the CPU, with every part marked off the device).
 
 Run: pytest tests/unit/test_pending_rows.py
 """
@@ -41,6 +43,31 @@ def test_runs_to_device_keeps_order_and_device_parts():
     assert [(t.shape[0], t.device.type) for t in out] == [(1, "meta"), (2, "meta"), (7, "meta")], out
     assert out[1] is mixed[1], "a part already on the device is kept, not copied"
     assert on_device(mixed, meta).shape == (10, 3)
+
+
+def test_step_tensors_mostly_wanted_move_whole_and_once():
+    # three decode steps of 8 requests: each step's features one [8, 3] tensor, split per request (the runner's
+    # pinned copy). Requests 0..5 catch up together: 6 of 8 rows of every step tensor are wanted, so each moves
+    # once (in `moved`) and is sliced; a lone row of another step tensor rides in a concatenated run instead.
+    steps = [torch.arange(24, dtype=torch.float32).view(8, 3) + 100 * k for k in range(3)]
+    rows = {r: [s[r : r + 1] for s in steps] for r in range(8)}
+    lone = (torch.arange(24, dtype=torch.float32).view(8, 3) + 1000)[1:2]  # 1 of 8 rows wanted: below min_share
+    small = torch.arange(6, dtype=torch.float32).view(2, 3) + 2000  # a 2-request step: below MIN_STEP_ROWS
+    cpu, moved = torch.device("cpu"), {}
+    parts = [f for r in range(6) for f in rows[r]] + [lone, small[0:1], small[1:2]]
+    out = runs_to_device(parts, cpu, moved, off=lambda t: True)  # every part counts as off the device
+    assert torch.equal(torch.cat(out), torch.cat(parts)), "rows must come out in order, with their values"
+    assert set(moved) == {id(s) for s in steps}, "each mostly-wanted step tensor moves whole, once"
+    assert lone._base is not None and small[0:1]._base is small  # row views of 2-d step tensors
+    assert id(lone._base) not in moved, "a step tensor with less than half its rows wanted is not moved whole"
+    assert id(small) not in moved, "a step tensor of fewer than MIN_STEP_ROWS rows is not moved whole"
+    # a later call of the same flush reuses the moved tensors, even for a single row
+    again = runs_to_device(rows[7], cpu, moved, off=lambda t: True)
+    assert all(a.data_ptr() == moved[id(s)][7:].data_ptr() for a, s in zip(again, steps))
+    # where the rows stay pending (min_share 1.0) a step tensor moves whole only if every row is wanted
+    kept: dict = {}
+    runs_to_device(parts, cpu, kept, off=lambda t: True, min_share=1.0)
+    assert kept == {}, "6 of 8 rows wanted: no whole move when the rows stay pending"
 
 
 def _run(pair, bound_rows: int | None, monkeypatch):
