@@ -29,6 +29,8 @@ from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
+_COST_TIMINGS = ("draft_s", "verify_s", "decode_s", "catch_up_s")  # runner timings the adaptive policy reads
+
 
 class Scheduler(StepRecovery):
     def __init__(
@@ -57,7 +59,7 @@ class Scheduler(StepRecovery):
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self._timings: dict[str, float] | None = None
-        self._seen: tuple[float, ...] = (0.0, 0.0, 0.0)  # draft_s, verify_s, decode_s at the last step
+        self._seen: tuple[float, ...] = (0.0,) * 4  # draft_s, verify_s, decode_s, catch_up_s at the last step
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured when the current verify plan was made
 
@@ -73,7 +75,7 @@ class Scheduler(StepRecovery):
         (a step that captured one is not a cost sample); `buckets`: the batch shapes a target step / a draft of n
         requests runs (the cost table's keys)."""
         self._timings = timings
-        self._seen = tuple(timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
+        self._seen = tuple(timings.get(k, 0.0) for k in _COST_TIMINGS)
         self._captures = captures
         if self.policy is not None:
             self.policy.bind_shapes(rows, buckets)
@@ -258,8 +260,8 @@ class Scheduler(StepRecovery):
         spans 1, decode) time."""
         if self._timings is None or self.policy is None:
             return
-        now = tuple(self._timings.get(k, 0.0) for k in ("draft_s", "verify_s", "decode_s"))
-        draft_s, verify_s, decode_s = (a - b for a, b in zip(now, self._seen))
+        now = tuple(self._timings.get(k, 0.0) for k in _COST_TIMINGS)
+        draft_s, verify_s, decode_s, catch_up_s = (a - b for a, b in zip(now, self._seen))
         self._seen = now
         captured = self._captures() if self._captures is not None else 0
         if captured != self._captured:  # a capture's time is not a step's cost
@@ -268,7 +270,8 @@ class Scheduler(StepRecovery):
         if isinstance(plan, DecodePlan):
             self.policy.observe_step(n, n, 0, 0.0, decode_s)
         else:
-            self.policy.observe_step(n, sum(plan.spans), sum(s > 1 for s in plan.spans), draft_s, verify_s)
+            spans = plan.spans
+            self.policy.observe_step(n, sum(spans), sum(s > 1 for s in spans), draft_s, verify_s, catch_up_s)
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

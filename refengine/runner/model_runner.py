@@ -40,7 +40,16 @@ class ModelRunner:
         self.stack: SegmentedStack | None = decode.stack if decode is not None else None
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
         # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
-        self.timings = {"prefill_s": 0.0, "decode_s": 0.0, "draft_s": 0.0, "verify_s": 0.0, "sync_wait_s": 0.0}
+        # catch_up_s: the part of draft_s spent projecting pending drafter context eagerly (after a prompt or a
+        # plain stretch; the adaptive policy's draft cost leaves it out)
+        self.timings = {
+            "prefill_s": 0.0,
+            "decode_s": 0.0,
+            "draft_s": 0.0,
+            "verify_s": 0.0,
+            "sync_wait_s": 0.0,
+            "catch_up_s": 0.0,
+        }
 
     def verify_rows(self, n: int, rows: int) -> int:
         """Rows a verify of n requests and `rows` real rows computes: its graph shape, or the rows (eager)."""
@@ -254,6 +263,7 @@ class ModelRunner:
         self._sync()
         t1 = time.perf_counter()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
+        self.timings["catch_up_s"] += getattr(self.proposer, "take_catch_up", lambda: 0.0)()
         tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
         kind = "verify" if any(span > 1 for _, _, span in view) else "decode"  # all span 1: every budget at its end
         graphed = self._replay(

@@ -18,7 +18,9 @@ Model (all online, with priors):
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, R(sum_i s_i)))
   wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
   choice loses more than a wrong plain one). An O(N) upper bound skips the search when plain clearly wins,
-  and a plain decision is reused until an observation arrives or the batch changes.
+  and a plain decision is reused until an observation arrives or the batch changes. A draft's eager
+  catch-up of context carried past a plain stretch is not in D: it is learnt per carried row and charged
+  to the explorations that would cause one (observe_step).
 - exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
   spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
   far plus the live requests' remaining work at plain speed. Each curve is measured once at start-up
@@ -61,6 +63,10 @@ class AdaptivePolicy:
     rows: RowsFn = real_rows
     acceptance: AcceptanceEstimates | None = None  # per request and position (made from block_size)
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
+    last_drafted: dict[int, int] = field(default_factory=dict)  # req -> the step of its last drafting choice
+    catch_up_row_s: float = 0.0  # a catch-up flush's seconds per pending row (moving average; 0 until seen)
+    catch_ups: int = 0  # catch-up flushes observed
+    _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
     interval: int = MIN_EXPLORE
     steps: int = 0
     elapsed_s: float = 0.0  # measured time of the steps observed so far
@@ -110,6 +116,28 @@ class AdaptivePolicy:
         return self.estimates.tables([req_id])[0]
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
+        spans = self._choose(req_ids, remaining)
+        self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
+        if max(spans) > 1:
+            for r, sp in zip(req_ids, spans):
+                if sp > 1:
+                    self.last_drafted[r] = self.steps
+        return spans
+
+    def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
+        """Context rows the drafting requests of `spans` carry since their last draft (one a plain step), when
+        one carries more than a block (the lane then projects them all eagerly, a catch-up); 0 otherwise, or
+        when a drafting request never drafted (its prompt rows are not known here: its first-step probe)."""
+        gaps = []
+        for r, sp in zip(req_ids, spans):
+            if sp > 1:
+                last = self.last_drafted.get(r)
+                if last is None:
+                    return 0
+                gaps.append(self.steps - last)
+        return sum(gaps) if gaps and max(gaps) > self.block_size else 0
+
+    def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
         if self._settled and self._cache_key == key and self.steps + 1 < self._next_explore:
             # the plain decision holds (nothing learnt, same requests) and it probed or explored nothing: no
@@ -138,7 +166,7 @@ class AdaptivePolicy:
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
             trial = [1] * n if spec else [max(1, min(b, r)) for r in remaining]
             budget = self._budget(remaining)
-            regret = self._regret(trial, tables, d)
+            regret = self._regret(trial, tables, d, req_ids)
             if regret > budget:
                 self._next_explore = self.steps + MIN_EXPLORE  # not affordable yet: look again later
             else:
@@ -164,13 +192,13 @@ class AdaptivePolicy:
             budget = self._budget(remaining) if budget is None else budget
             trial = list(d.spans)
             trial[fresh[0]] = min(b, remaining[fresh[0]])
-            one = self._regret(trial, tables, d)
+            one = self._regret(trial, tables, d, req_ids)
             k = len(fresh) if one <= budget else 0  # when one probe is unaffordable, so is any: no search
             while k:
                 trial = list(d.spans)
                 for i in fresh[:k]:
                     trial[i] = min(b, remaining[i])
-                regret = self._regret(trial, tables, d) if k > 1 else one
+                regret = self._regret(trial, tables, d, req_ids) if k > 1 else one
                 if regret <= budget:
                     self.regret_s += regret
                     self.probes += k
@@ -190,21 +218,35 @@ class AdaptivePolicy:
         ahead = sum(remaining) * self.cost.plain_s(n) / n
         return EXPLORE_BUDGET * (self.elapsed_s + ahead) - self.regret_s
 
-    def _regret(self, spans: list[int], tables: list[Table], d: Decision) -> float:
-        """Predicted regret of an exploring choice: its time minus the time the chosen spans need for the same
-        expected tokens."""
+    def _regret(self, spans: list[int], tables: list[Table], d: Decision, req_ids: list[int] | None = None) -> float:
+        """Predicted regret of an exploring choice: its time (with the catch-up of the context its drafting
+        requests carry, when `req_ids` are given) minus the time the chosen spans need for the same tokens."""
         n, drafted = len(spans), sum(s > 1 for s in spans)
         if drafted:
             t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
+            if req_ids is not None:
+                t += self.catch_up_row_s * self._pending_rows(req_ids, spans)
             tokens = sum(e[s] for e, s in zip(tables, spans))
         else:
             t, tokens = self.cost.plain_s(n), float(n)
         return max(0.0, t - tokens / d.predicted_tok_per_s)
 
-    def observe_step(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings."""
+    def observe_step(
+        self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float, catch_up_s: float = 0.0
+    ) -> None:
+        """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings;
+        `catch_up_s`: the part of the draft that projected context carried past a plain stretch (or a prompt),
+        learnt per row (charged to the explorations that would cause one) and kept out of the draft curve: a
+        switch's cost, not a steady draft's. Left in the draft curve, the trained tiny pair's drafts looked 4x
+        dearer on the H200 (2.0 vs 0.5 ms) and adaptive never drafted; left out of everything, exploration
+        after plain stretches was underpriced (with that, Qwen3-4B tau 1 c32 measured 0.73 of plain in one H200
+        run, against 0.97 in the run before; docs/PERF.md)."""
+        if catch_up_s > 0 and self._catch_up_rows:
+            per_row = catch_up_s / self._catch_up_rows
+            self.catch_up_row_s = per_row if not self.catch_ups else 0.8 * self.catch_up_row_s + 0.2 * per_row
+            self.catch_ups += 1
         executed = rows if not drafted and rows == n else self.rows(n, rows)
-        self.cost.observe(n, executed, drafted, draft_s, verify_s)
+        self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s)
         self.elapsed_s += draft_s + verify_s
 
     def _probing(self, req_id: int) -> bool:
@@ -224,6 +266,7 @@ class AdaptivePolicy:
     def release(self, req_id: int) -> None:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
+        self.last_drafted.pop(req_id, None)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
@@ -236,6 +279,8 @@ class AdaptivePolicy:
             "explore_interval": self.interval,
             "explore_regret_ms": round(self.regret_s * 1e3, 3),
             "probe_regret_ms": round(self.probe_regret_s * 1e3, 3),
+            "catch_ups": self.catch_ups,
+            "catch_up_us_per_row": round(self.catch_up_row_s * 1e6, 3),
             "observed_step_ms": round(self.elapsed_s * 1e3, 3),
             "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
             "verify_ms_model": {

@@ -61,6 +61,7 @@ class DFlashLane:
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
         self._sync_wait_s = 0.0
+        self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (synchronised)
 
     @classmethod
     def create(
@@ -259,7 +260,7 @@ class DFlashLane:
             # Pending context of at most B rows per request (what a verify commits) is projected inside the
             # graph; more (a prompt, just prefilled) is flushed eagerly first.
             if any(self._ctx[it.req_id].pending_rows > b for it in items):
-                self._flush_pending([it.req_id for it in items])
+                self._catch_up([it.req_id for it in items])
             pending = [self._take_pending(it.req_id) for it in items]
             self._prepare(items)
             g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
@@ -269,6 +270,24 @@ class DFlashLane:
         else:
             drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
         return [d[: span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+
+    def _catch_up(self, req_ids: list[int]) -> None:
+        """The graph path's eager flush of more pending rows than the draft graph projects (a prompt, a plain
+        stretch), timed apart (synchronised; take_catch_up): a switch's cost, not a steady draft's. On the
+        eager path every draft flushes its rows eagerly, and that is its cost."""
+        cuda = self._device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self._device)
+        t = time.perf_counter()
+        self._flush_pending(req_ids)
+        if cuda:
+            torch.cuda.synchronize(self._device)
+        self._catch_up_s += time.perf_counter() - t
+
+    def take_catch_up(self) -> float:
+        """Seconds of catch-up flushes since the last call (the runner's `catch_up_s` timing)."""
+        spent, self._catch_up_s = self._catch_up_s, 0.0
+        return spent
 
     def take_sync_wait(self) -> float:
         """Seconds spent waiting for draft-graph results since the last call (the runner's host-time split)."""

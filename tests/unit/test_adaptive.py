@@ -204,15 +204,20 @@ def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, toke
     return _simulate_phases(mode, [(concurrency, p_accept, waves, tokens)])[0]
 
 
-def _simulate_phases(mode: str, phases, p_first: float | None = None, true: CostModel | None = None) -> list[float]:
+def _simulate_phases(
+    mode: str, phases, p_first: float | None = None, true: CostModel | None = None, catch_up_row_s: float = 0.0
+) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
     `p_first`: the acceptance of each request's first drafting step (a drafter whose first block after the
-    prompt is poorer than the rest)."""
+    prompt is poorer than the rest). `catch_up_row_s`: a draft also pays this per context row its requests
+    carry since their last draft (a prompt of 128 rows at first) whenever one carries more than a block (the
+    lane's eager catch-up), reported to the policy as the scheduler does."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
     rid, out, drafted_once = 0, [], set()
+    carried: dict[int, int] = {}  # req -> context rows since its last draft
     for concurrency, p_accept, waves, tokens in phases:
         elapsed = 0.0
         for _ in range(waves):
@@ -226,10 +231,13 @@ def _simulate_phases(mode: str, phases, p_first: float | None = None, true: Cost
                 spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
                 drafted = sum(s > 1 for s in spans)
                 draft = true.draft_s(drafted)
+                rows_carried = [carried.get(r, 128) for r, s in zip(live, spans) if s > 1]
+                catch_up = catch_up_row_s * sum(rows_carried) if rows_carried and max(rows_carried) > B else 0.0
+                draft += catch_up
                 rows = _graph_rows(len(live), sum(spans))
                 verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
                 elapsed += draft + verify
-                pol.observe_step(len(live), sum(spans), drafted, draft, verify)
+                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
                 for r, s in zip(live, spans):
                     p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
                     if s > 1:
@@ -240,6 +248,7 @@ def _simulate_phases(mode: str, phases, p_first: float | None = None, true: Cost
                     while not callable(p) and m < s - 1 and rng.random() < p:
                         m += 1
                     pol.observe_acceptance(r, s, m)
+                    carried[r] = m + 1 if s > 1 else carried.get(r, 128) + 1
                     left[r] -= m + 1
                     if left[r] <= 0:
                         del left[r]
