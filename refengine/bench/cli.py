@@ -5,9 +5,10 @@ memory-bound floor. A table on stderr, a tqdm bar on stderr, the JSON as the las
     refengine bench --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \
         --synthetic --acceptance-profile tau1,tau3,tau6.5 --peer hf --plot perf.png --output perf.json
 
-Greedy, ignore_eos. The engines of every mode are loaded side by side and their runs interleaved (refengine/
-bench/suite.py), so the device's clock drift falls on every mode alike; medians over --repeats with the tok/s
-spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile) draws the
+Greedy, ignore_eos. One engine at a time, on CUDA each mode in a fresh process (refengine/bench/suite.py:
+engines side by side, or one after another in a process, ran at different speeds); --processes N repeats
+that N rounds, the modes taking turns, against the noise between processes. Medians over the runs with
+the tok/s spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile) draws the
 accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their outputs are
 not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'. Exit
 status 2 with a message when any request is rejected or a row runs no tokens. Column definitions:
@@ -68,6 +69,12 @@ def add_bench_parser(sub) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="rounds of fresh processes per mode, modes taking turns (needs --isolate, the CUDA default)",
     )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
@@ -133,11 +140,12 @@ def _cmd(args) -> int:
         graph_mode=args.graph_mode,
         settle_s=args.settle_s,
         isolate=args.isolate,
+        processes=args.processes,
     )
     print_table(
         res["rows"],
         f"refengine bench: {target} ({device}, {args.prompts} prompts, "
-        f"{args.output_tokens} new tokens, median of {args.repeats})",
+        f"{args.output_tokens} new tokens, median of {args.repeats * args.processes})",
     )
     text = json.dumps(res)
     if args.output:

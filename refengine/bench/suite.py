@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import multiprocessing
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from refengine.bench.prompts import make_prompts
 from refengine.bench.report import aggregate
 from refengine.bench.run import (
+    BenchError,
     drafter_weight_bytes,
     engine_for,
     measure_copy_bandwidth,
@@ -68,9 +70,17 @@ def bench(
     graph_mode: str | None = None,
     settle_s: float | None = None,
     isolate: bool | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process."""
+    """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
+    `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
+    are over every process's runs, with the per-process medians listed (`process_tok_per_s`): the same
+    engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md, seventh session)."""
     from tqdm import tqdm
+
+    isolate = device.startswith("cuda") if isolate is None else isolate
+    if processes < 1 or (processes > 1 and not isolate):
+        raise BenchError(f"processes={processes}: give 1, or more with each mode in a fresh process (isolate)")
 
     if draft is None:
         modes = tuple(m for m in modes if m == "plain")
@@ -116,28 +126,38 @@ def bench(
         settle_s=settle,
         bandwidth=bandwidth,
     )
-    isolate = device.startswith("cuda") if isolate is None else isolate
-    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
-    for mode in modes:
-        if isolate:  # a fresh process per mode (see the module docstring)
-            ctx = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                out = pool.submit(measure_mode, mode, job).result()
-        else:
-            out = measure_mode(mode, job)
-        runs.update(out.pop("runs"))
-        results["graph_captures"][mode] = out.pop("graph_capture")
-        floor, vocab = out.pop("floor"), out.pop("vocab")
-        results.update(out)
+    for _ in range(processes):
+        for mode in modes:
+            if isolate:  # a fresh process per mode (see the module docstring)
+                ctx = multiprocessing.get_context("spawn")
+                with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+                    out = pool.submit(measure_mode, mode, job).result()
+            else:
+                out = measure_mode(mode, job)
+            for cell, cell_runs in out.pop("runs").items():
+                runs.setdefault(cell, []).append(cell_runs)
+            results["graph_captures"][mode] = out.pop("graph_capture")
+            floor, vocab = out.pop("floor"), out.pop("vocab")
+            results.update(out)
     results["method"] = METHOD_ISOLATED if isolate else METHOD_IN_PROCESS
-    results["rows"] = [aggregate(v) for v in runs.values()]
+    results["processes"] = processes
+    results["rows"] = [_row(per_process) for per_process in runs.values()]
     if peer:
         bar = tqdm(total=len(concurrency) * repeats, desc="bench hf", unit="run", file=sys.stderr)
         _peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
         bar.close()
     results["rows"].sort(key=lambda r: (r["concurrency"], r["mode"], r["acceptance"]))
     return results
+
+
+def _row(per_process: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """A cell's row over every process's runs; with several processes, each one's median tok/s too."""
+    row = aggregate([r for runs in per_process for r in runs])
+    if len(per_process) > 1:
+        row["process_tok_per_s"] = [round(statistics.median(r["tok_per_s"] for r in runs), 2) for runs in per_process]
+    return row
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from refengine.bench.prompts import make_prompts
+from refengine.bench.run import BenchError
 from refengine.cli import main
 from refengine.defaults import RANDOM_PAIR, TRAINED_PAIR
 from tests.adapter import first_divergence
@@ -212,6 +213,23 @@ def test_bench_isolated_modes_match_in_process():
 
     assert rows(iso) == rows(inproc) and len(rows(iso)) == 2, (rows(iso), rows(inproc))
     assert iso["graph_captures"].keys() == {"plain", "dflash"} and iso["drafter_weight_bytes"] > 0
+
+
+def test_bench_processes_rounds_list_each_processs_median():
+    """`processes=2`: each mode measured in two fresh processes (modes taking turns); a row's medians are over
+    both processes' runs and it lists each process's median tok/s. Several processes need isolation."""
+    import refengine.bench.suite as suite
+
+    kw = dict(device="cpu", synthetic=False, concurrency=[1], prompt_len=8, output_tokens=3, repeats=1)
+    pair = (str(RANDOM_PAIR / "target"), str(RANDOM_PAIR / "draft"))
+    res = suite.bench(*pair, modes=("plain", "dflash"), isolate=True, processes=2, **kw)
+    assert res["processes"] == 2 and len(res["rows"]) == 2, res["rows"]
+    for row in res["rows"]:
+        assert row["repeats"] == 2 and len(row["process_tok_per_s"]) == 2, row
+        assert row["tok_per_s_min"] <= min(row["process_tok_per_s"]) <= max(row["process_tok_per_s"])
+        assert max(row["process_tok_per_s"]) <= row["tok_per_s_max"], row
+    with pytest.raises(BenchError, match="processes=2"):
+        suite.bench(*pair, modes=("plain",), isolate=False, processes=2, **kw)
 
 
 def test_bench_cli_isolate_runs_each_mode_in_a_fresh_process():

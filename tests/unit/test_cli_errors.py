@@ -53,6 +53,10 @@ def test_bench_lengths_are_validated(capsys):
         capsys, "bench", "--prompt-len", "0"
     )
     assert "argument --output-tokens: invalid int value: 'x'" in _fails(capsys, "bench", "--output-tokens", "x")
+    # several processes per mode need each mode in a fresh process (--isolate; on the CPU it is off)
+    assert "processes=2: give 1, or more with each mode in a fresh process" in _fails(
+        capsys, "bench", "--device", "cpu", "--processes", "2"
+    )
 
 
 def test_bench_fails_when_every_request_is_rejected(capsys):
