@@ -5,7 +5,8 @@ step costs and per-request acceptance, and asks it for spans.
 Model (all online, with priors):
 - acceptance (refengine/spec_decode/acceptance_estimate.py): per request and draft position, the chance a
   draft is accepted given the earlier ones were, from decayed counts shrunk toward the population's rate at
-  that position (and that toward the pooled rate). So a new request starts at what the workload has been
+  that position (and that toward the previous position's, the first toward the pooled rate). So a new
+  request starts at what the workload has been
   accepting (and its first-step probe adds its own), and E_i(S), the tokens a span S is expected to commit,
   follows whatever shape acceptance has along the block (not only geometric).
 - cost (refengine/spec_decode/step_costs.py): V(N, R) for a verify of N requests computing R rows (R is what
@@ -33,8 +34,8 @@ Model (all online, with priors):
   first blocks accept poorly stayed plain while fixed spans ran 3.4x faster; tests/unit/test_adaptive.py):
   every request drafts a full block on its first step (also when the choice gives it a shorter span: a
   short span tests only the first positions), so the population's rates follow the requests now running,
-  at every position. So where plain wins, adaptive loses one speculative step per request plus about EXPLORE_BUDGET
-  to plain decode (and the error of its predictions).
+  at every position. So where plain wins, adaptive loses one speculative step per request plus about
+  EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ class AdaptivePolicy:
         return self.estimates.tables([req_id])[0]
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
+        """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
+        catch-up observe_step may see) and when they drafted."""
         spans = self._choose(req_ids, remaining)
-        self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
-        if max(spans) > 1:
+        drafting = max(spans) > 1
+        self._catch_up_rows = self._pending_rows(req_ids, spans) if drafting else 0
+        if drafting:
             for r, sp in zip(req_ids, spans):
                 if sp > 1:
                     self.last_drafted[r] = self.steps
