@@ -66,6 +66,23 @@ def greedy(
     return [r.output_ids for r in reqs]
 
 
+def record_draft_costs(engine: Engine) -> list[tuple[float, float]]:
+    """Wrap the adaptive policy's observe_step; the returned list fills with (draft_s, catch_up_s) of every
+    drafting step the scheduler hands it."""
+    policy = engine.scheduler.policy
+    assert policy is not None, "record_draft_costs needs speculation='adaptive'"
+    log: list[tuple[float, float]] = []
+    observe = policy.observe_step
+
+    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0):
+        if drafted:
+            log.append((draft_s, catch_up_s))
+        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s)
+
+    policy.observe_step = observe_step  # type: ignore[method-assign]
+    return log
+
+
 def record_drafts(engine: Engine) -> list[list[list[int]]]:
     """Wrap engine.proposer.propose; the returned list fills with every draft step's proposals, in order."""
     log: list[list[list[int]]] = []

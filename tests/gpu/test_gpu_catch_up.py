@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from refengine import SamplingParams
-from tests.adapter import gpu_engine
+from tests.adapter import gpu_engine, record_draft_costs
 
 pytestmark = pytest.mark.gpu
 B = 16
@@ -29,15 +29,7 @@ def test_gpu_catch_up_after_a_plain_stretch_is_timed_apart(trained_pair):
         return [1] * len(ids) if step["n"] <= 40 else [B] * len(ids)  # 40 plain steps, then drafts
 
     policy.choose = choose  # type: ignore[method-assign]
-    samples: list[float] = []
-    observe = policy.observe_step
-
-    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0):
-        if drafted:
-            samples.append((draft_s, catch_up_s))
-        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s)
-
-    policy.observe_step = observe_step  # type: ignore[method-assign]
+    samples = record_draft_costs(engine)
     engine.add_request(list(range(5, 69)), SamplingParams(max_tokens=40 + 6 * B, ignore_eos=True))
     per_step = []
     while engine.has_work():

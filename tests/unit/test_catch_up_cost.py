@@ -16,7 +16,7 @@ import pytest
 from refengine import SamplingParams
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.step_costs import CostModel
-from tests.adapter import cpu_engine
+from tests.adapter import cpu_engine, record_draft_costs
 from tests.unit.test_adaptive import _simulate_phases
 
 B = 16
@@ -40,16 +40,8 @@ def test_scheduler_hands_catch_up_apart(trained_pair):
             charged.append((draft, catch_up))
         return result
 
-    seen: list[tuple[float, float]] = []
-    observe = policy.observe_step
-
-    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0):
-        if drafted:
-            seen.append((draft_s, catch_up_s))
-        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s)
-
+    seen = record_draft_costs(engine)
     runner.execute = execute_with_catch_up  # type: ignore[method-assign]
-    policy.observe_step = observe_step  # type: ignore[method-assign]
     engine.add_request(list(range(5, 40)), SamplingParams(max_tokens=40, ignore_eos=True))
     while engine.has_work():
         engine.step()
