@@ -8,9 +8,9 @@ memory-bound floor. A table on stderr, a tqdm bar on stderr, the JSON as the las
 Greedy, ignore_eos. One engine at a time, on CUDA each mode in a fresh process (refengine/bench/suite.py:
 engines side by side, or one after another in a process, ran at different speeds); --processes N repeats
 that N rounds, the modes taking turns, against the noise between processes. Medians over the runs with
-the tok/s spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile) draws the
-accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their outputs are
-not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'. Exit
+the tok/s spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile)
+draws the accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their
+outputs are not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'. Exit
 status 2 with a message when any request is rejected or a row runs no tokens. Column definitions:
 refengine/bench/run.py and docs/PERF.md.
 """

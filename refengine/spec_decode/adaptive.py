@@ -62,7 +62,7 @@ class AdaptivePolicy:
     block_size: int
     cost: CostModel = field(default_factory=CostModel)
     rows: RowsFn = real_rows
-    acceptance: AcceptanceEstimates | None = None  # per request and position (made from block_size)
+    estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
     last_drafted: dict[int, int] = field(default_factory=dict)  # req -> the step of its last drafting choice
     catch_up_row_s: float = 0.0  # a catch-up flush's seconds per pending row (moving average; 0 until seen)
@@ -88,7 +88,7 @@ class AdaptivePolicy:
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
 
     def __post_init__(self) -> None:
-        self.acceptance = self.acceptance or AcceptanceEstimates(self.block_size)
+        self.estimates = AcceptanceEstimates(self.block_size)
         self.bind_shapes(self.rows, None)
 
     def bind_shapes(
@@ -106,11 +106,6 @@ class AdaptivePolicy:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
         self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
         self._decisions_before = self.steps
-
-    @property
-    def estimates(self) -> AcceptanceEstimates:
-        assert self.acceptance is not None  # set in __post_init__
-        return self.acceptance
 
     def expected(self, req_id: int) -> Table:
         """E(s) for s = 0..B: the tokens a span s is expected to commit for this request now."""

@@ -41,9 +41,12 @@ def _whole_step(part: torch.Tensor) -> torch.Tensor | None:
 
 def wanted_rows(parts: list[torch.Tensor], off: OffDevice) -> Counter[int]:
     """Rows wanted of each host step tensor (by id) among `parts`."""
+    return _count(parts, [_whole_step(f) if off(f) else None for f in parts])
+
+
+def _count(parts: list[torch.Tensor], bases: list[torch.Tensor | None]) -> Counter[int]:
     wanted: Counter[int] = Counter()
-    for f in parts:
-        base = _whole_step(f) if off(f) else None
+    for f, base in zip(parts, bases):
         if base is not None:
             wanted[id(base)] += f.shape[0]
     return wanted
@@ -68,7 +71,9 @@ def runs_to_device(
     device stay. `off(part)`: whether a part is off the device (tests mark CPU rows so)."""
     moved = {} if moved is None else moved
     is_off = off or (lambda t: t.device != device)
-    wanted = wanted_rows(parts, is_off) if wanted is None else wanted
+    held = [is_off(f) for f in parts]
+    bases = [_whole_step(f) if h else None for f, h in zip(parts, held)]
+    wanted = _count(parts, bases) if wanted is None else wanted
     out: list[torch.Tensor] = []
     run: list[torch.Tensor] = []
 
@@ -77,12 +82,11 @@ def runs_to_device(
             out.append((run[0] if len(run) == 1 else torch.cat(run)).to(device))
             run.clear()
 
-    for f in parts:
-        if not is_off(f):
+    for f, h, base in zip(parts, held, bases):
+        if not h:
             move_run()
             out.append(f)
             continue
-        base = _whole_step(f)
         if base is None or (id(base) not in moved and wanted[id(base)] < min_share * base.shape[0]):
             run.append(f)
             continue
