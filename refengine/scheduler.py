@@ -226,7 +226,7 @@ class Scheduler(StepRecovery):
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # speculating requests given span 1: each row's features become context
-                self.active_proposer.commit_rows([(r.request_id, r.committed_len, 1) for r in plan.requests])
+                self.active_proposer.commit_step([r.request_id for r in plan.requests])
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])

@@ -169,15 +169,16 @@ def assert_no_leftovers(engine: Engine, label: str = "") -> None:
 
 
 class FeatureRecorder:
-    """Wraps engine.proposer.append_pending_context (every feature row the drafter receives goes through it,
-    verify rows included) and engine.scheduler.schedule (to tag each batch of rows with the plan that
-    produced it: 'PrefillPlan' with its request count, or 'VerifyPlan')."""
+    """Wraps engine.proposer.append_pending_context and append_pending_step (every feature row the drafter
+    receives goes through one of them: prefill and verify rows, and plain decode steps' rows in adaptive mode)
+    and engine.scheduler.schedule (to tag each batch of rows with the plan that produced it: 'PrefillPlan'
+    with its request count, 'VerifyPlan' or 'DecodePlan')."""
 
     def __init__(self, engine: Engine):
         self.calls: list[tuple[int, int, torch.Tensor, str, int]] = []  # (req, first pos, rows, plan, plan size)
         self._plan: tuple[str, int] = ("none", 0)
         lane, scheduler = engine.proposer, engine.scheduler
-        append, schedule = lane.append_pending_context, scheduler.schedule
+        append, append_step, schedule = lane.append_pending_context, lane.append_pending_step, scheduler.schedule
 
         def recording_schedule():
             plan = schedule()
@@ -189,7 +190,13 @@ class FeatureRecorder:
             self.calls.append((req_id, first_position, feats.detach().clone(), *self._plan))
             return append(req_id, feats, first_position)
 
+        def recording_append_step(req_ids, starts, feats):
+            for i, (req_id, start) in enumerate(zip(req_ids, starts)):
+                self.calls.append((req_id, start, feats[i : i + 1].detach().clone(), *self._plan))
+            return append_step(req_ids, starts, feats)
+
         lane.append_pending_context = recording_append
+        lane.append_pending_step = recording_append_step
         scheduler.schedule = recording_schedule
 
     def rows(self, req_id: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 requests were in the plan that failed.
 
 Points: 'prefill' / 'decode' / 'verify' (the target forward of that kind of plan), 'draft' (proposer.propose),
-'stage' (proposer.stage_features: features of some requests already staged), 'commit' (Scheduler._append
+'stage' (proposer.stage_features or stage_step: features of some requests already staged), 'commit' (Scheduler._append
 inside commit: the plan's earlier requests already committed, a refengine bug by construction). Calls of the
 point are counted from 0; calls at..at+times-1 raise, before the real call or just after it (`after`: the
 KV, staged features or drafter flush it wrote stay behind for the rollback to undo).
@@ -46,6 +46,7 @@ class FaultInjector:
             engine.proposer.propose = self._wrap(engine.proposer.propose)  # type: ignore[union-attr]
         elif point == "stage":
             engine.proposer.stage_features = self._wrap(engine.proposer.stage_features)  # type: ignore[union-attr]
+            engine.proposer.stage_step = self._wrap(engine.proposer.stage_step)  # type: ignore[union-attr]
         else:
             sched._append = self._wrap(sched._append)  # type: ignore[method-assign]
 

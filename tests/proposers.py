@@ -57,9 +57,13 @@ class ReplayProposer:
             )
         self._rows[req_id] += rows
 
-    def commit_rows(self, commits: list[tuple[int, int, int]]) -> None:
-        for req_id, first_position, rows in commits:
-            self.commit_context(req_id, first_position, rows)
+    def stage_step(self, req_ids: list[int], starts: list[int], feats) -> None:
+        for req_id, start in zip(req_ids, starts):
+            self._staged[req_id] = (start, 1)
+
+    def commit_step(self, req_ids: list[int]) -> None:
+        for req_id in req_ids:
+            self.commit_context(req_id, self._staged[req_id][0], 1)
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         self.commit_context(req_id, start, committed)

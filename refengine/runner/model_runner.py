@@ -90,10 +90,12 @@ class ModelRunner:
             out += [("draft", bucket, s) for (bucket, _), s in draft.time_shapes().items()]
         return out
 
-    def _replay(self, kind: str, steps: list[StepRow], capture: bool) -> list[list[int]] | None:
+    def _replay(
+        self, kind: str, steps: list[StepRow], capture: bool, whole_step: bool = False
+    ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
         Returns the argmax of every real row per request, and stages every request's tap features when
-        `capture`."""
+        `capture` (`whole_step`: a decode plan's, one row per request, staged as one tensor)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
@@ -106,13 +108,16 @@ class ModelRunner:
         # replays of the decode graph made the next replay ~0.25 ms slower (3.84 vs 3.56 ms at c1, 4.24 vs
         # 4.01 ms at c32; without the copy the same graph ran at plain speed: docs/PERF.md). Verify rows (up
         # to B per request, drafted next step) stay on the device.
-        if taps is not None:
+        if taps is not None and self.proposer is not None:
             if DECODE_FEATURES_TO_HOST and kind == "decode" and taps.is_cuda:
                 feats = torch.empty(taps.shape, dtype=taps.dtype, pin_memory=True)
                 feats.copy_(taps, non_blocking=True)  # complete at the sync below, before anything reads it
             else:
                 feats = taps.clone()
-            self._stage(steps, feats, lens)
+            if whole_step:
+                self.proposer.stage_step([s.req_id for s in steps], [s.start for s in steps], feats)
+            else:
+                self._stage(steps, feats, lens)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
@@ -178,9 +183,11 @@ class ModelRunner:
         capture: list[bool],
         score_rows: list[range],
         topk_k: list[int],
+        whole_step: bool = False,
     ) -> tuple[list[list[int]], list[list[TopK]]]:
         """One target forward. score_rows[i]: which of request i's rows need logits (relative indices);
-        capture[i]: stage request i's tap-layer features with the proposer."""
+        capture[i]: stage request i's tap-layer features with the proposer (`whole_step`: a decode plan's
+        rows, one per request, all captured, staged as one tensor)."""
         batch = self._batch(spans)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.target.device)
         layers = self.proposer.capture_layers if self.proposer is not None and any(capture) else ()
@@ -193,7 +200,9 @@ class ModelRunner:
         offsets = [0]
         for n in batch.q_lens:
             offsets.append(offsets[-1] + n)
-        if feats is not None and self.proposer is not None:
+        if feats is not None and self.proposer is not None and whole_step:
+            self.proposer.stage_step([r for r, _, _ in spans], [s for _, s, _ in spans], feats)
+        elif feats is not None and self.proposer is not None:
             for i, (req_id, start, _n) in enumerate(spans):
                 if capture[i]:
                     self.proposer.stage_features(req_id, start, feats[offsets[i] : offsets[i + 1]])
@@ -234,6 +243,7 @@ class ModelRunner:
                     "decode",
                     [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
                     capture=plan.capture,
+                    whole_step=plan.capture,
                 )
             )
             if graphed is not None:
@@ -246,6 +256,7 @@ class ModelRunner:
                 [plan.capture] * len(reqs),
                 [range(1)] * len(reqs),
                 [r.params.logprobs for r in reqs],
+                whole_step=plan.capture,
             )
             self._sync()
             self.timings["decode_s"] += time.perf_counter() - t0

@@ -25,9 +25,13 @@ from refengine.models.dflash import DFlashDrafter
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
 from refengine.spec_decode.pending_rows import (
     HOST_PENDING_BYTES,
+    DecodeRow,
     Moved,
-    nbytes,
+    Part,
     on_device,
+    part_nbytes,
+    part_rows,
+    part_tensor,
     runs_to_device,
     wanted_rows,
 )
@@ -40,8 +44,9 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 class DraftContext:
     capacity: int  # context rows it can hold (prompt + max_tokens); pages for + B more
     length: int = 0  # context rows whose K/V are in the pool
-    # target features [rows, F*H], not yet projected; plain decode steps' wait on the host (pending_rows.py)
-    pending: list[torch.Tensor] = field(default_factory=list)
+    # target features, not yet projected: [rows, F*H] tensors, or rows of plain decode steps' tensors (which
+    # wait on the host; pending_rows.py)
+    pending: list[Part] = field(default_factory=list)
     pending_rows: int = 0
     host_bytes: int = 0  # of `pending`, the bytes held off the lane's device
 
@@ -59,6 +64,7 @@ class DFlashLane:
         self.host_moves = 0  # times the host rows were moved to the device
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
+        self._staged_step: tuple[list[int], list[int], torch.Tensor] | None = None  # a decode step's (stage_step)
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
         self._sync_wait_s = 0.0
         self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (synchronised)
@@ -100,6 +106,8 @@ class DFlashLane:
             self._host_bytes -= c.host_bytes
             self.pool.release(req_id)
         self._staged.pop(req_id, None)
+        if self._staged_step is not None and req_id in self._staged_step[0]:
+            self._staged_step = None  # a step is committed whole or not at all
 
     def live_requests(self) -> set[int]:
         return set(self._ctx)
@@ -116,7 +124,7 @@ class DFlashLane:
         total = 0
         for rid, c in self._ctx.items():
             total += len(self.pool.table(rid)) * page_bytes
-            total += sum(nbytes(f) for f in c.pending) - c.host_bytes  # host-held rows are not device bytes
+            total += sum(part_nbytes(f) for f in c.pending) - c.host_bytes  # host-held rows are not device bytes
         return total
 
     # ---- features: staged by the runner, committed by the scheduler ---------------------------------------
@@ -138,12 +146,21 @@ class DFlashLane:
             )
         self.append_pending_context(req_id, feats if rows == n else feats[:rows], first_position)
 
-    def commit_rows(self, commits: list[tuple[int, int, int]]) -> None:
-        """commit_context for each (req_id, first_position, rows), in order: a decode step's commits in one
-        call. Every row still goes through append_pending_context (the seam tests/adapter.FeatureRecorder
-        wraps)."""
-        for req_id, first_position, rows in commits:
-            self.commit_context(req_id, first_position, rows)
+    def stage_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
+        """A plain decode step's features [len(req_ids), F*H]: row i is req_ids[i]'s, at position starts[i].
+        One call per step, where stage_features per request would make a view per request."""
+        missing = [r for r in req_ids if r not in self._ctx]
+        if missing:
+            raise AlignmentError(f"requests {missing}: features staged for requests with no drafter context")
+        self._staged_step = (req_ids, starts, feats)
+
+    def commit_step(self, req_ids: list[int]) -> None:
+        """The staged decode step's row of each of `req_ids` (the staged requests, in order) becomes context."""
+        step, self._staged_step = self._staged_step, None
+        if step is None or step[0] != req_ids:
+            staged = step[0] if step is not None else []
+            raise AlignmentError(f"a decode step of requests {req_ids} committed, but staged were {staged}")
+        self.append_pending_step(*step)
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         """After a verify at `start` committing `committed` rows ([current, d_1..d_m]), those rows' target
@@ -152,9 +169,11 @@ class DFlashLane:
 
     def discard_staged(self) -> None:
         self._staged.clear()
+        self._staged_step = None
 
     def staged_requests(self) -> set[int]:
-        return set(self._staged)
+        staged = set(self._staged)
+        return staged.union(self._staged_step[0]) if self._staged_step is not None else staged
 
     def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
         """Queue target features for positions [first_position, first_position + rows)."""
@@ -176,9 +195,38 @@ class DFlashLane:
         c.pending.append(feats)
         c.pending_rows += shape[0]
         if self._off_device(feats):
-            b = nbytes(feats)
+            b = part_nbytes(feats)
             c.host_bytes += b
             self._host_bytes += b
+            if self._host_bytes > HOST_PENDING_BYTES:
+                self._host_rows_to_device()
+
+    def append_pending_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
+        """append_pending_context of row i of a decode step's features [len(req_ids), F*H] for each request
+        (position starts[i]), all checked before any is queued. Each queues a DecodeRow: no per-row tensor."""
+        if feats.dim() != 2 or feats.shape[0] != len(req_ids) or feats.shape[1] != self._width:
+            raise AlignmentError(
+                f"decode step features {list(feats.shape)} for {len(req_ids)} requests, expected rows of {self._width}"
+            )
+        ctx = []
+        for r, p in zip(req_ids, starts):
+            c = self._ctx.get(r)
+            if c is None:
+                raise AlignmentError(f"request {r}: no drafter context (start_request was not called)")
+            if p != c.length + c.pending_rows or p >= c.capacity:
+                raise AlignmentError(
+                    f"request {r}: a decode row at position {p}, but the drafter context ends at "
+                    f"{c.length + c.pending_rows} (capacity {c.capacity})"
+                )
+            ctx.append(c)
+        for i, c in enumerate(ctx):
+            c.pending.append(DecodeRow(feats, i))
+            c.pending_rows += 1
+        if self._off_device(feats):
+            b = feats.shape[1] * feats.element_size()
+            for c in ctx:
+                c.host_bytes += b
+            self._host_bytes += b * len(ctx)
             if self._host_bytes > HOST_PENDING_BYTES:
                 self._host_rows_to_device()
 
@@ -192,7 +240,7 @@ class DFlashLane:
         wanted = wanted_rows([f for c in held for f in c.pending], self._off_device)
         moved: Moved = {}
         for c in held:
-            c.pending = runs_to_device(c.pending, self._device, moved, self._off_device, wanted, min_share=1.0)
+            c.pending = list[Part](runs_to_device(c.pending, self._device, moved, self._off_device, wanted, 1.0))
             c.host_bytes = 0
         self._host_bytes = 0
         self.host_moves += 1
@@ -206,35 +254,38 @@ class DFlashLane:
 
         Rows go in chunks of at most FLUSH_ROWS so the transient (fc output, fp32 norm, per-layer K/V) stays
         bounded when many long prompts were prefilled before the first draft."""
-        chunk: list[tuple[int, DraftContext, int, torch.Tensor]] = []  # (req, context, first position, rows)
+        chunk: list[tuple[int, DraftContext, int, Part]] = []  # (req, context, first position, rows)
         rows = 0
         moved: Moved = {}  # host step tensors already on the device (pending_rows.runs_to_device)
         for r in req_ids:
             c = self._ctx[r]
             pos = c.length
             for f in c.pending:
-                for lo in range(0, f.shape[0], FLUSH_ROWS):
-                    part = f[lo : lo + FLUSH_ROWS]
-                    if rows + part.shape[0] > FLUSH_ROWS:
+                n = part_rows(f)
+                for lo in range(0, n, FLUSH_ROWS):
+                    part: Part = f if n <= FLUSH_ROWS else part_tensor(f)[lo : lo + FLUSH_ROWS]
+                    k = min(n - lo, FLUSH_ROWS)
+                    if rows + k > FLUSH_ROWS:
                         self._project(chunk, moved)
                         chunk, rows = [], 0
                     chunk.append((r, c, pos, part))
-                    pos += part.shape[0]
-                    rows += part.shape[0]
+                    pos += k
+                    rows += k
             self._clear_pending(c)
         if chunk:
             self._project(chunk, moved)
 
-    def _project(self, chunk: list[tuple[int, DraftContext, int, torch.Tensor]], moved: Moved) -> None:
+    def _project(self, chunk: list[tuple[int, DraftContext, int, Part]], moved: Moved) -> None:
         feats = on_device([f for *_, f in chunk], self._device, moved, self._off_device)  # [R, F*H]
-        positions = torch.cat([torch.arange(p, p + f.shape[0]) for _, _, p, f in chunk]).to(feats.device)
-        slots = torch.cat([self.pool.slots(r, p, p + f.shape[0]) for r, _, p, f in chunk]).to(feats.device)
+        spans = [(r, p, p + part_rows(f)) for r, _, p, f in chunk]  # (req, first position, end)
+        positions = torch.cat([torch.arange(p, e) for _, p, e in spans]).to(feats.device)
+        slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in spans]).to(feats.device)
         m = self.drafter.mcfg
         for li, (k, v) in enumerate(self.drafter.context_kv(feats, positions)):
             self.pool.k[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = k
             self.pool.v[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = v
         for _, c, p, f in chunk:
-            c.length = p + f.shape[0]
+            c.length = p + part_rows(f)
 
     def _prepare(self, items: list[DraftItem]) -> None:
         """Project pending context rows, then check every request's context ends right before its block."""

@@ -1,12 +1,12 @@
 """The seam between the engine and a draft method: the Proposer protocol.
 
 The engine hands a proposer token spans and row counts only. Target hidden states reach it one way: the
-runner stages the tap-layer features of every row it ran for a speculating request (`stage_features`), and
-the scheduler, once it knows how many of those rows are committed, makes them drafter context
-(`commit_context` after a prefill, `commit_rows` after a decode step of speculating requests,
-`record_verify_dflash_context` after a verify). Staged rows that are not
-committed (rejected drafts, a failed step) are dropped. The DFlash lane and the test proposers
-(tests/proposers.py) implement it; there is no base class until a second real draft method exists.
+runner stages the tap-layer features of every row it ran for a speculating request (`stage_features`; a
+plain decode step of speculating requests, one row each, as one tensor: `stage_step`), and the scheduler,
+once it knows how many of those rows are committed, makes them drafter context (`commit_context` after a
+prefill, `commit_step` after such a decode step, `record_verify_dflash_context` after a verify). Staged
+rows that are not committed (rejected drafts, a failed step) are dropped. The DFlash lane and the test
+proposers (tests/proposers.py) implement it; there is no base class until a second real draft method exists.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ class Proposer(Protocol):
     def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
         """The first `rows` staged rows (starting at `first_position`) become context; the rest are dropped."""
 
-    def commit_rows(self, commits: list[tuple[int, int, int]]) -> None:
-        """commit_context(req_id, first_position, rows) for each item, in order: a decode step's commits in
-        one call."""
+    def stage_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
+        """A decode step's features [len(req_ids), len(capture_layers) * H]: row i is req_ids[i]'s, at
+        position starts[i]; held until commit_step."""
+
+    def commit_step(self, req_ids: list[int]) -> None:
+        """The staged decode step's rows (one per request of `req_ids`, the staged order) become context."""
 
     def record_verify_dflash_context(self, req_id: int, start: int, committed: int) -> None:
         """After a verify at `start` committing `committed` rows ([current, d_1..d_m]): commit those rows."""

@@ -1,8 +1,8 @@
 """Pending drafter context rows held off the device (refengine/spec_decode/pending_rows.py): plain decode
 steps' features wait on the host, and past HOST_PENDING_BYTES per lane they move to the device in order.
 
-On the CPU every tensor is on the lane's device, so the test marks one-row commits (a plain decode step's
-rows) as held off the device and sets a small bound. Then, over an adaptive run that mostly decodes plainly
+On the CPU every tensor is on the lane's device, so the test marks plain decode steps' tensors (stage_step)
+as held off the device and sets a small bound. Then, over an adaptive run that mostly decodes plainly
 and drafts now and then:
 - the host bytes never pass the bound and equal the per-request sums;
 - the rows are moved several times;
@@ -23,7 +23,7 @@ import random
 import torch
 
 import refengine.spec_decode.lane as lane_module
-from refengine.spec_decode.pending_rows import on_device, runs_to_device
+from refengine.spec_decode.pending_rows import DecodeRow, on_device, runs_to_device
 from tests.adapter import assert_same_tokens, cpu_engine, first_divergence, greedy, record_drafts
 
 B = 16
@@ -46,21 +46,25 @@ def test_runs_to_device_keeps_order_and_device_parts():
 
 
 def test_step_tensors_mostly_wanted_move_whole_and_once():
-    # three decode steps of 8 requests: each step's features one [8, 3] tensor, split per request (the runner's
-    # pinned copy). Requests 0..5 catch up together: 6 of 8 rows of every step tensor are wanted, so each moves
-    # once (in `moved`) and is sliced; a lone row of another step tensor rides in a concatenated run instead.
+    # three decode steps of 8 requests: each step's features one [8, 3] tensor (the runner's pinned copy), a
+    # request's row of it a DecodeRow. Requests 0..5 catch up together: 6 of 8 rows of every step tensor are
+    # wanted, so each moves once (in `moved`) and is sliced; a lone row of another step tensor rides in a
+    # concatenated run instead, after a part of consecutive rows (a verify's).
     steps = [torch.arange(24, dtype=torch.float32).view(8, 3) + 100 * k for k in range(3)]
-    rows = {r: [s[r : r + 1] for s in steps] for r in range(8)}
-    lone = (torch.arange(24, dtype=torch.float32).view(8, 3) + 1000)[1:2]  # 1 of 8 rows wanted: below min_share
+    rows = {r: [DecodeRow(s, r) for s in steps] for r in range(8)}
+    lone_step = torch.arange(24, dtype=torch.float32).view(8, 3) + 1000
+    lone = DecodeRow(lone_step, 1)  # 1 of 8 rows wanted: below min_share
     small = torch.arange(6, dtype=torch.float32).view(2, 3) + 2000  # a 2-request step: below MIN_STEP_ROWS
+    verify = torch.full((2, 3), 3000.0)
     cpu, moved = torch.device("cpu"), {}
-    parts = [f for r in range(6) for f in rows[r]] + [lone, small[0:1], small[1:2]]
+    parts = [f for r in range(6) for f in rows[r]] + [verify, lone, DecodeRow(small, 0), DecodeRow(small, 1)]
+    want = torch.cat([p.step[p.row : p.row + 1] if isinstance(p, DecodeRow) else p for p in parts])
     out = runs_to_device(parts, cpu, moved, off=lambda t: True)  # every part counts as off the device
-    assert torch.equal(torch.cat(out), torch.cat(parts)), "rows must come out in order, with their values"
+    assert torch.equal(torch.cat(out), want), "rows must come out in order, with their values"
     assert set(moved) == {id(s) for s in steps}, "each mostly-wanted step tensor moves whole, once"
-    assert lone._base is not None and small[0:1]._base is small  # row views of 2-d step tensors
-    assert id(lone._base) not in moved, "a step tensor with less than half its rows wanted is not moved whole"
+    assert id(lone_step) not in moved, "a step tensor with less than half its rows wanted is not moved whole"
     assert id(small) not in moved, "a step tensor of fewer than MIN_STEP_ROWS rows is not moved whole"
+    assert len(out) == 6 * 3 + 1, "verify rows, the lone row and the small step's rows go as one run"
     # a later call of the same flush reuses the moved tensors, even for a single row
     again = runs_to_device(rows[7], cpu, moved, off=lambda t: True)
     assert all(a.data_ptr() == moved[id(s)][7:].data_ptr() for a, s in zip(again, steps))
@@ -76,7 +80,15 @@ def _run(pair, bound_rows: int | None, monkeypatch):
     row_bytes = lane._width * 4  # fp32 on the CPU
     if bound_rows is not None:
         monkeypatch.setattr(lane_module, "HOST_PENDING_BYTES", bound_rows * row_bytes)
-    lane._off_device = lambda feats: feats.shape[0] == 1  # a plain decode step's row: held "on the host"
+    decode_steps: dict[int, torch.Tensor] = {}  # id -> a plain decode step's features (kept alive: ids stay unique)
+    stage_step = lane.stage_step
+
+    def staging(req_ids, starts, feats):
+        decode_steps[id(feats)] = feats
+        return stage_step(req_ids, starts, feats)
+
+    lane.stage_step = staging
+    lane._off_device = lambda feats: id(feats) in decode_steps  # a plain decode step's rows: held "on the host"
     rng = random.Random(7)
     engine.scheduler.policy.choose = lambda ids, rem: [1] * len(ids) if rng.random() < 0.8 else [B] * len(ids)
     drafts = record_drafts(engine)
