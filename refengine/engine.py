@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from collections.abc import Sequence
@@ -157,12 +158,20 @@ class Engine:
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at
         start-up, so no timed or served step pays a capture), and time each shape's replay to seed the adaptive
-        policy's cost table; returns how many were captured. No-op in eager."""
+        policy's cost table; returns how many were captured. No-op in eager.
+
+        On CUDA, start-up ends here: what is alive (weights, modules, graphs, imported libraries) is moved out
+        of the garbage collector's generations (gc.freeze, after a collection), so its full passes scan only
+        what serving allocates. Without it, Qwen3-4B adaptive decode at c32 on the H200 spent 0.26 ms a step
+        in the collector (21 passes in 384 steps; plain decode: 1), 5% of the step."""
         captured = self.runner.capture_graphs()
         policy = self.scheduler.policy
         if policy is not None and self.runner.graphs:  # the adaptive policy starts from timed replays
             for kind, key, seconds in self.runner.shape_costs():
                 policy.cost.seed(kind, key, seconds)
+        if self.target.device.type == "cuda":
+            gc.collect()
+            gc.freeze()
         return captured
 
     def close(self) -> None:
