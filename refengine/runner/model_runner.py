@@ -15,11 +15,9 @@ from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
-from refengine.runner.pinned_slabs import PinnedSlabs
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
 DECODE_FEATURES_TO_HOST = True  # see _replay (tests switch it off to compare both paths)
-PINNED_SLABS = True  # decode features to rows of pinned slabs (pinned_slabs.py); False: one allocation a step
 Span = tuple[int, int, int]  # (req_id, start, q_len): rows at positions [start, start + q_len), KV reserved
 
 
@@ -36,7 +34,6 @@ class ModelRunner:
         self.tp = tp  # tensor parallel: every target forward's inputs go to the other ranks first
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
-        self._pinned = PinnedSlabs()  # host rows of plain decode steps' features (see _replay)
         # with graphs, steps outside them (prefills, steps no graph fits) run the graphs' segmented stack
         # eagerly: merged weights and fused kernels (a 128-token Qwen3-4B prefill: 10-14 ms on the H200)
         decode = self.graphs.get("decode")
@@ -113,10 +110,7 @@ class ModelRunner:
         # to B per request, drafted next step) stay on the device.
         if taps is not None and self.proposer is not None:
             if DECODE_FEATURES_TO_HOST and kind == "decode" and taps.is_cuda:
-                if PINNED_SLABS:
-                    feats = self._pinned.take(taps.shape[0], taps.shape[1], taps.dtype)
-                else:
-                    feats = torch.empty(taps.shape, dtype=taps.dtype, pin_memory=True)
+                feats = torch.empty(taps.shape, dtype=taps.dtype, pin_memory=True)
                 feats.copy_(taps, non_blocking=True)  # complete at the sync below, before anything reads it
             else:
                 feats = taps.clone()
