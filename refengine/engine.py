@@ -163,7 +163,9 @@ class Engine:
         On CUDA, start-up ends here: what is alive (weights, modules, graphs, imported libraries) is moved out
         of the garbage collector's generations (gc.freeze, after a collection), so its full passes scan only
         what serving allocates. Without it, Qwen3-4B adaptive decode at c32 on the H200 spent 0.26 ms a step
-        in the collector (21 passes in 384 steps; plain decode: 1), 5% of the step."""
+        in the collector (21 passes in 384 steps; plain decode: 1), 5% of the step. A frozen engine's KV pools
+        are still freed when its last reference goes: reference counting alone frees them (tests/unit/
+        test_graphs.py checks with the collector off)."""
         captured = self.runner.capture_graphs()
         policy = self.scheduler.policy
         if policy is not None and self.runner.graphs:  # the adaptive policy starts from timed replays

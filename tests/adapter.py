@@ -256,6 +256,18 @@ def break_verify_features_shifted(engine: Engine) -> None:
     lane.record_verify_dflash_context = shifted
 
 
+def break_decode_step_rows_rotated(engine: Engine) -> None:
+    """In a plain decode step of several speculating requests (adaptive, every span 1), hand each request the
+    next request's row of the step's features: same shapes, wrong rows."""
+    lane = engine.proposer
+    stage_step = lane.stage_step
+
+    def rotated(req_ids, starts, feats):
+        return stage_step(req_ids, starts, feats.roll(-1, dims=0) if feats.shape[0] > 1 else feats)
+
+    lane.stage_step = rotated
+
+
 def break_drop_ignore_eos(engine: Engine) -> None:
     """The engine drops SamplingParams.ignore_eos at submission (a server not forwarding the flag)."""
     add = engine.add_request

@@ -76,6 +76,8 @@ def choose_spans(
     by_shape = {x: cost.verify_s(n, x) for x in set(executed)}  # measured table, else the fit
     verify_cost = [by_shape[x] for x in executed]
     best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
+    best_spans: list[int] = []
+    best_order: list[int] = []
     for cap in range(2, block + 1):
         spans = [cap if r >= cap else max(1, r) for r in remaining]
         gains = [e[s] - 1.0 for e, s in zip(tables, spans)]
@@ -93,10 +95,10 @@ def choose_spans(
             denom = draft_cost[drafted] + verify_cost[total]
             if denom > 0 and (n + gain) > best_rate * denom:
                 best_rate, best_k, best_cap = (n + gain) / denom, k, cap
+                best_spans, best_order = spans, order
     if best_cap == 1:
         return plain
-    spans = [max(1, min(best_cap, r)) for r in remaining]
-    gains = [e[s] - 1.0 for e, s in zip(tables, spans)]
-    for i in sorted(range(n), key=gains.__getitem__)[:best_k]:
-        spans[i] = 1
-    return Decision(spans, best_rate, plain_rate, best_cap)
+    chosen = list(best_spans)
+    for i in best_order[:best_k]:
+        chosen[i] = 1
+    return Decision(chosen, best_rate, plain_rate, best_cap)

@@ -1,16 +1,19 @@
 """Direct feature checks, CPU fp32: every target-feature row refengine hands its drafter (captured at the
 lane's append_pending_context, via tests/adapter.FeatureRecorder) equals HF's tap-layer outputs for that
 request's own tokens (golden.hf_reference.target_features), row by row, within golden.gates.FEATURE_REL_TOL:
-rows from a prefill alone, from a batched prefill of several requests, and from verify commits. Every
-request hands over exactly its committed length of rows. Teeth: a tap layer off by one, a batched prefill
-handing each request its neighbour's rows, and verify rows shifted by one each fail the check at the right
-position and source (all three keep outputs lossless; tau barely notices the first two).
+rows from a prefill alone, from a batched prefill of several requests, and from verify commits; and in
+adaptive mode from plain decode steps (every span 1: one staged tensor for the step, a row per request).
+Every request hands over exactly its committed length of rows. Teeth: a tap layer off by one, a batched
+prefill handing each request its neighbour's rows, verify rows shifted by one, and a decode step's rows
+rotated between requests each fail the check at the right position and source (all keep outputs lossless;
+tau barely notices the first two).
 
 Run: pytest tests/golden/test_target_features.py
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -23,6 +26,7 @@ from refengine import SamplingParams
 from tests.adapter import (
     FeatureRecorder,
     assert_no_leftovers,
+    break_decode_step_rows_rotated,
     break_rotate_batched_prefill_features,
     break_tap_layers_off_by_one,
     break_verify_features_shifted,
@@ -48,11 +52,11 @@ def _labels(recorder: FeatureRecorder, req_id: int) -> list[str]:
     return out
 
 
-def feature_reports(pair, breakage=None):
+def feature_reports(pair, *breakages, **engine_kw):
     """Request 0 is prefilled alone; the other six arrive together (one batched prefill); all then verify
     together. Returns (FeatureReport per request, per-request row labels)."""
-    engine = cpu_engine(pair.target, pair.draft)
-    if breakage is not None:
+    engine = cpu_engine(pair.target, pair.draft, **engine_kw)
+    for breakage in breakages:
         breakage(engine)
     recorder = FeatureRecorder(engine)
     prompts = _prompts(pair)
@@ -83,6 +87,37 @@ def test_features_handed_to_the_drafter_equal_hf(model_pair):
     assert all(any(x.startswith("VerifyPlan") for x in lab) for lab in labels), "every request verifies"
     for rep in reports:
         rep.assert_passes()
+
+
+def _two_plain_steps_per_draft(engine) -> None:
+    """Adaptive mode with its choice forced: two plain decode steps (every span 1), then a drafting one."""
+    policy, steps, b = engine.scheduler.policy, itertools.count(), engine.proposer.block_size
+    policy.choose = lambda ids, remaining: [b] * len(ids) if next(steps) % 3 == 2 else [1] * len(ids)
+
+
+def test_adaptive_plain_steps_hand_the_drafter_hf_features(model_pair):
+    reports, labels = feature_reports(model_pair, _two_plain_steps_per_draft, speculation="adaptive")
+    for rep in reports:
+        print(rep)
+    assert all(any(x.startswith("DecodePlan") for x in lab) for lab in labels), "every request decodes plainly"
+    assert all(any(x.startswith("VerifyPlan") for x in lab) for lab in labels), "every request verifies"
+    for rep in reports:
+        rep.assert_passes()
+
+
+def test_feature_check_fails_on_rotated_decode_step_rows(trained_pair):
+    reports, labels = feature_reports(
+        trained_pair, _two_plain_steps_per_draft, break_decode_step_rows_rotated, speculation="adaptive"
+    )
+    for rep in reports:
+        print(rep)
+    bad = [i for i, rep in enumerate(reports) if not rep.passed]
+    assert bad == list(range(7)), f"requests failing the feature check: {bad}, expected all 7"
+    prompts = _prompts(trained_pair)
+    for i in bad:
+        rep = reports[i]
+        assert rep.first_bad_label.startswith("DecodePlan"), str(rep)
+        assert rep.first_bad_row == len(prompts[i]) and rep.first_bad_rel > 100 * rep.rel_tol, str(rep)
 
 
 @pytest.mark.parametrize(
