@@ -28,6 +28,7 @@ from refengine.runner.logits import TopK
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
+from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.lane import DFlashLane
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_token_ids
@@ -109,6 +110,11 @@ class Engine:
             self.tp = TensorParallelGroup(config, num_blocks, len(self.pool.dummy_blocks))
             self.target.all_reduce = self.tp.all_reduce
         attention = make_backend(config.backend_name, self.pool, tcfg.num_heads, tcfg.num_kv_heads, tcfg.head_dim)
+        self.store: FeatureStore | None = None  # tap features by target KV slot, read by the proposer
+        if self.proposer is not None:
+            width = len(self.proposer.capture_layers) * tcfg.hidden_size
+            self.store = FeatureStore(self.pool, width, dtype, self.target.device)
+            self.proposer.bind_feature_store(self.store)
         self.scheduler = Scheduler(
             self.pool,
             self.proposer,
@@ -120,7 +126,9 @@ class Engine:
             speculation=config.speculation,
             acceptance_override=acceptance_override,
         )
-        self.runner = ModelRunner(self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp)
+        self.runner = ModelRunner(
+            self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp, store=self.store
+        )
         self.scheduler.bind_timings(
             self.runner.timings,
             self.runner.verify_rows,
@@ -151,9 +159,12 @@ class Engine:
         capturer = Capturer(self.target.device)
         taps = self.proposer.capture_layers if self.proposer is not None else ()
         span = self.proposer.block_size if self.proposer is not None else None
+        store = self.store.rows if self.store is not None else None
         if isinstance(self.proposer, DFlashLane):
-            self.proposer.graph = build_draft_graph(self.proposer.drafter, self.proposer.pool, self.config, capturer)
-        return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span)
+            self.proposer.graph = build_draft_graph(
+                self.proposer.drafter, self.proposer.pool, self.config, capturer, store
+            )
+        return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span, store)
 
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at

@@ -169,8 +169,9 @@ def assert_no_leftovers(engine: Engine, label: str = "") -> None:
 
 
 class FeatureRecorder:
-    """Wraps engine.proposer.append_pending_context and append_pending_step (every feature row the drafter
-    receives goes through one of them: prefill and verify rows, and plain decode steps' rows in adaptive mode)
+    """Wraps engine.proposer.append_pending_context and append_pending_step (every row the drafter receives
+    is committed through one of them: prefill and verify rows, and plain decode steps' rows in adaptive mode)
+    and reads the committed rows' features from the feature store right then (what the drafter will read);
     and engine.scheduler.schedule (to tag each batch of rows with the plan that produced it: 'PrefillPlan'
     with its request count, 'VerifyPlan' or 'DecodePlan')."""
 
@@ -186,14 +187,15 @@ class FeatureRecorder:
                 self._plan = (type(plan).__name__, len(plan.requests))
             return plan
 
-        def recording_append(req_id, feats, first_position):
-            self.calls.append((req_id, first_position, feats.detach().clone(), *self._plan))
-            return append(req_id, feats, first_position)
+        def recording_append(req_id, first_position, rows):
+            feats = lane.store.read(req_id, first_position, first_position + rows).cpu()
+            self.calls.append((req_id, first_position, feats, *self._plan))
+            return append(req_id, first_position, rows)
 
-        def recording_append_step(req_ids, starts, feats):
-            for i, (req_id, start) in enumerate(zip(req_ids, starts)):
-                self.calls.append((req_id, start, feats[i : i + 1].detach().clone(), *self._plan))
-            return append_step(req_ids, starts, feats)
+        def recording_append_step(req_ids, starts):
+            for req_id, start in zip(req_ids, starts):
+                self.calls.append((req_id, start, lane.store.read(req_id, start, start + 1).cpu(), *self._plan))
+            return append_step(req_ids, starts)
 
         lane.append_pending_context = recording_append
         lane.append_pending_step = recording_append_step
@@ -223,7 +225,8 @@ def break_tap_layers_off_by_one(engine: Engine) -> None:
 
 def break_rotate_batched_prefill_features(engine: Engine) -> None:
     """In a prefill of several requests, hand each request the rows of the next request in the batch, cut or
-    padded (last row repeated) to its own row count so every alignment assert stays quiet."""
+    padded (last row repeated) to its own row count, written over its rows in the feature store, so every
+    alignment assert stays quiet."""
     runner, lane = engine.runner, engine.proposer
     execute = runner.execute
 
@@ -232,12 +235,12 @@ def break_rotate_batched_prefill_features(engine: Engine) -> None:
 
     def rotated(plan):
         result = execute(plan)
-        staged = lane._staged  # white-box: the features the runner staged for this plan
+        staged = lane._staged  # white-box: (first position, rows) the runner staged for this plan
         ids = [r.request_id for r in plan.requests if r.request_id in staged]
         if type(plan).__name__ == "PrefillPlan" and len(ids) > 1:
-            old = {i: staged[i] for i in ids}
+            old = {i: lane.store.read(i, staged[i][0], staged[i][0] + staged[i][1]) for i in ids}
             for a, b in zip(ids, ids[1:] + ids[:1]):
-                staged[a] = (old[a][0], fit(old[b][1], old[a][1].shape[0]))
+                lane.store.put(a, staged[a][0], fit(old[b], staged[a][1]))
         return result
 
     runner.execute = rotated
@@ -245,25 +248,31 @@ def break_rotate_batched_prefill_features(engine: Engine) -> None:
 
 def break_verify_features_shifted(engine: Engine) -> None:
     """After a verify, hand the drafter verify rows 1..m+1 instead of 0..m (the last row repeated when the
-    whole span was accepted): same row count, wrong rows."""
+    whole span was accepted), written over the committed rows in the feature store: same row count, wrong
+    rows."""
     lane = engine.proposer
+    record = lane.record_verify_dflash_context
 
     def shifted(req_id, start, committed):
-        _, verify_feats = lane._staged.pop(req_id)  # white-box: this verify's staged rows
-        rows = torch.cat([verify_feats[1 : committed + 1], verify_feats[verify_feats.shape[0] - 1 :]])[:committed]
-        lane.append_pending_context(req_id, rows, start)
+        _, n = lane._staged[req_id]  # white-box: this verify's staged rows
+        rows = lane.store.read(req_id, start, start + n)
+        lane.store.put(req_id, start, torch.cat([rows[1 : committed + 1], rows[n - 1 :]])[:committed])
+        record(req_id, start, committed)
 
     lane.record_verify_dflash_context = shifted
 
 
 def break_decode_step_rows_rotated(engine: Engine) -> None:
     """In a plain decode step of several speculating requests (adaptive, every span 1), hand each request the
-    next request's row of the step's features: same shapes, wrong rows."""
+    next request's row of the step's features (rotated in the feature store): same shapes, wrong rows."""
     lane = engine.proposer
     stage_step = lane.stage_step
 
-    def rotated(req_ids, starts, feats):
-        return stage_step(req_ids, starts, feats.roll(-1, dims=0) if feats.shape[0] > 1 else feats)
+    def rotated(req_ids, starts):
+        if len(req_ids) > 1:
+            slots = torch.cat([lane.store.slots(r, p, p + 1) for r, p in zip(req_ids, starts)])
+            lane.store.rows[slots] = lane.store.rows[slots].roll(-1, dims=0)
+        return stage_step(req_ids, starts)
 
     lane.stage_step = rotated
 

@@ -4,8 +4,8 @@ transaction (reserve, verify, accept, commit, roll back, context alignment) is e
 - oracle: replays the plain greedy continuation, so every verify step must commit exactly its span;
 - garbage: every first draft is wrong, so every step commits exactly one token (tau == 1);
 - noisy: a given function decides, per draft, whether it is replaced by a wrong token.
-They keep the same bookkeeping as the lane (context rows per request, alignment asserts), fed by real
-captured target features, but draft from the reference output instead of a model.
+They keep the same bookkeeping as the lane (context rows per request, alignment asserts; the engine writes
+real target features into their feature store), but draft from the reference output instead of a model.
 """
 
 from __future__ import annotations
@@ -45,8 +45,11 @@ class ReplayProposer:
     def context_rows(self, req_id: int) -> int:
         return self._rows[req_id]
 
-    def stage_features(self, req_id: int, first_position: int, feats) -> None:
-        self._staged[req_id] = (first_position, feats.shape[0])
+    def bind_feature_store(self, store) -> None:
+        self.store = store  # the engine's forwards write real tap features there; only row counts matter here
+
+    def stage_features(self, req_id: int, first_position: int, rows: int) -> None:
+        self._staged[req_id] = (first_position, rows)
 
     def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
         start, staged = self._staged.pop(req_id)
@@ -57,7 +60,7 @@ class ReplayProposer:
             )
         self._rows[req_id] += rows
 
-    def stage_step(self, req_ids: list[int], starts: list[int], feats) -> None:
+    def stage_step(self, req_ids: list[int], starts: list[int]) -> None:
         for req_id, start in zip(req_ids, starts):
             self._staged[req_id] = (start, 1)
 

@@ -22,8 +22,9 @@ plans with ``"lane"`` by default; ``"upstream"`` is here to reproduce and compar
                + block headroom N*B*(draft KV + tail scratch)
 
 ``"lane"`` bills exactly what refengine's drafter lane allocates. Per request it keeps, for each drafter
-layer, context K and V as [capacity, nkv, d] and pending target features as [capacity, n*Ht], where
-capacity = prompt + max_tokens + B rows; one batch scratch is shared by all requests: hidden [N*B, Hd],
+layer, context K and V as [capacity, nkv, d], where capacity = prompt + max_tokens + B rows; target
+features wait in the feature store, a row of n*Ht per token of the target's pool (the `pending` term, the
+store's size exactly: spec_decode/feature_store.py); one batch scratch is shared by all requests: hidden [N*B, Hd],
 q [N*B, Q], k and v [N*B, kv], MLP gate and up [N*B, I], logits for block rows 1..B-1 [N*(B-1), V].
     per token: draft KV  Ld*2*kv*b | pending Ht*n*b           (context and tail scratch: 0)
     fixed:     the same weights + slack

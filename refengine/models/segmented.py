@@ -46,12 +46,14 @@ def merge_layer(w: DecoderLayerWeights) -> MergedLayer:
 
 @dataclass
 class ContextInputs:
-    """The drafter graph's context rows: target features of newly committed positions, projected to every
-    layer's K/V inside the graph (fc, hidden_norm, k_proj, k_norm, RoPE; v_proj) and written at `slots`."""
+    """The drafter graph's context rows: target features of newly committed positions, gathered from the
+    feature store at `sources` and projected to every layer's K/V inside the graph (fc, hidden_norm, k_proj,
+    k_norm, RoPE; v_proj), written at `slots`."""
 
-    feats: torch.Tensor  # [rows, len(taps) * H_target]
+    feats: torch.Tensor  # [rows, len(taps) * H_target]: the gathered features
     positions: torch.Tensor  # [rows] int64
     slots: torch.Tensor  # [rows] int64 (padding rows: the dummy page)
+    sources: torch.Tensor  # [rows] int64: the rows' target KV slots (their store rows; padding: a dummy slot)
     k: torch.Tensor  # [rows, nkv, d]
     q_dummy: torch.Tensor  # [rows, 1, d]: FlashInfer's RoPE rotates a q and a k of the same row count
 
@@ -117,7 +119,12 @@ class StepState:
             None
             if not context_width
             else ContextInputs(
-                z(rows, context_width), z(rows, dt=torch.long), z(rows, dt=torch.long), z(rows, nkv, d), z(rows, 1, d)
+                z(rows, context_width),
+                z(rows, dt=torch.long),
+                z(rows, dt=torch.long),
+                z(rows, dt=torch.long),
+                z(rows, nkv, d),
+                z(rows, 1, d),
             )
         )
         return cls(
@@ -155,6 +162,9 @@ class SegmentedStack:
         self.cfg, self.layers, self.embed, self.final_norm, self.lm_head = cfg, layers, embed, final_norm, lm_head
         self.pool, self.kernels, self.tap_layers = pool, kernels, tap_layers
         self.context_proj = context_proj  # the drafter's (fc [H, F*H], hidden_norm [H]): context rows in segment 0
+        # the feature store's rows [slots, F*H] (spec_decode/feature_store.py): the target's segments write their
+        # taps there at the rows' slots; the drafter's segment 0 gathers its context rows from it
+        self.feature_store: torch.Tensor | None = None
         half = cfg.head_dim // 2
         self.cos_sin = torch.cat([rope.cos[:, :half], rope.sin[:, :half]], dim=-1).float().contiguous()
 
@@ -178,6 +188,8 @@ class SegmentedStack:
             if i - 1 in self.tap_layers and st.taps is not None:  # None: an eager step capturing nothing
                 j, h = self.tap_layers.index(i - 1), self.cfg.hidden_size
                 st.taps[:, j * h : (j + 1) * h].copy_(st.residual)
+        if i == n and st.taps is not None and self.feature_store is not None:
+            self.feature_store.index_copy_(0, st.slots, st.taps)  # padding rows: the dummy pages' slots
         if i < n:
             self._pre_attn(i, st)
         elif head:
@@ -199,6 +211,8 @@ class SegmentedStack:
         """Context rows -> every layer's K/V in the pool (the drafter's context_kv, fused)."""
         assert self.context_proj is not None
         c, (fc, hidden_norm) = self.cfg, self.context_proj
+        if self.feature_store is not None:
+            torch.index_select(self.feature_store, 0, ctx.sources, out=ctx.feats)
         x = torch.empty(ctx.feats.shape[0], c.hidden_size, dtype=ctx.feats.dtype, device=ctx.feats.device)
         self.kernels.rmsnorm(F.linear(ctx.feats, fc), hidden_norm, c.rms_norm_eps, out=x)
         rows, kvd = x.shape[0], c.kv_dim

@@ -36,10 +36,12 @@ def build_target_graphs(
     capturer: Capturer,
     tap_layers: tuple[int, ...],
     verify_span: int | None,
+    feature_store: torch.Tensor | None = None,
     capture_shape_rule: bool = True,
 ) -> dict[str, GraphRunner]:
     """'decode' (one row per request) and, with a proposer, 'verify' (up to verify_span rows per request, in
-    shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps)."""
+    shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps). Every step of either writes its
+    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py)."""
     stack = SegmentedStack(
         target.cfg,
         [merge_layer(w) for w in target.layers],
@@ -51,6 +53,7 @@ def build_target_graphs(
         _kernels(config, target.dtype, target.device),
         tap_layers,
     )
+    stack.feature_store = feature_store
     make = _attention_factory(config, pool, target.cfg)
     kw = dict(
         mode=config.graph_mode_name,
@@ -66,7 +69,14 @@ def build_target_graphs(
     return runners
 
 
-def build_draft_graph(drafter: DFlashDrafter, pool: KvPool, config: EngineConfig, capturer: Capturer) -> GraphRunner:
+def build_draft_graph(
+    drafter: DFlashDrafter,
+    pool: KvPool,
+    config: EngineConfig,
+    capturer: Capturer,
+    feature_store: torch.Tensor | None = None,
+) -> GraphRunner:
+    """The drafter's block forward; its context rows are gathered from `feature_store` inside the graph."""
     m = drafter.mcfg
     stack = SegmentedStack(
         m,
@@ -79,6 +89,7 @@ def build_draft_graph(drafter: DFlashDrafter, pool: KvPool, config: EngineConfig
         _kernels(config, drafter.fc.dtype, drafter.fc.device),
         context_proj=(drafter.fc, drafter.hidden_norm),
     )
+    stack.feature_store = feature_store
     return GraphRunner(
         stack,
         _attention_factory(config, pool, m),

@@ -1,5 +1,6 @@
 """Turns a plan into batch tensors, runs the eager forward(s), and reads back argmax / top-k. Tap-layer
-features of speculating requests go straight to the proposer (staged until the scheduler commits them)."""
+features go into the feature store at the rows' KV slots (inside the graphs, or after an eager forward); the
+proposer is told which rows of speculating requests it may use once the scheduler commits them."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
+from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
-DECODE_FEATURES_TO_HOST = True  # see _replay (tests switch it off to compare both paths)
 Span = tuple[int, int, int]  # (req_id, start, q_len): rows at positions [start, start + q_len), KV reserved
 
 
@@ -30,10 +31,12 @@ class ModelRunner:
         proposer: Proposer | None = None,
         graphs: dict[str, GraphRunner] | None = None,
         tp: TensorParallelGroup | None = None,
+        store: FeatureStore | None = None,
     ):
         self.tp = tp  # tensor parallel: every target forward's inputs go to the other ranks first
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
+        self.store = store  # tap features by KV slot, with a proposer (spec_decode/feature_store.py)
         # with graphs, steps outside them (prefills, steps no graph fits) run the graphs' segmented stack
         # eagerly: merged weights and fused kernels (a 128-token Qwen3-4B prefill: 10-14 ms on the H200)
         decode = self.graphs.get("decode")
@@ -94,30 +97,16 @@ class ModelRunner:
         self, kind: str, steps: list[StepRow], capture: bool, whole_step: bool = False
     ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
-        Returns the argmax of every real row per request, and stages every request's tap features when
-        `capture` (`whole_step`: a decode plan's, one row per request, staged as one tensor)."""
+        Returns the argmax of every real row per request, and stages every request's rows when `capture`
+        (`whole_step`: a decode plan's, one row per request, staged in one call)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
-        g = runner.run(steps)
+        g = runner.run(steps)  # the graph writes every row's tap features into the store at its slots
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
-        taps = g.buffers.taps[:total] if capture and g.buffers.taps is not None and self.proposer else None
-        # Copied behind the replay (the buffer is reused next step) and staged while the GPU runs it. Decode
-        # rows' features go to pinned host memory: on the H200 a device-to-device copy queued between two
-        # replays of the decode graph made the next replay ~0.25 ms slower (3.84 vs 3.56 ms at c1, 4.24 vs
-        # 4.01 ms at c32; without the copy the same graph ran at plain speed: docs/PERF.md). Verify rows (up
-        # to B per request, drafted next step) stay on the device.
-        if taps is not None and self.proposer is not None:
-            if DECODE_FEATURES_TO_HOST and kind == "decode" and taps.is_cuda:
-                feats = torch.empty(taps.shape, dtype=taps.dtype, pin_memory=True)
-                feats.copy_(taps, non_blocking=True)  # complete at the sync below, before anything reads it
-            else:
-                feats = taps.clone()
-            if whole_step:
-                self.proposer.stage_step([s.req_id for s in steps], [s.start for s in steps], feats)
-            else:
-                self._stage(steps, feats, lens)
+        if capture and self.proposer is not None:
+            self._stage(steps, lens, whole_step)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
@@ -127,11 +116,15 @@ class ModelRunner:
             row += n
         return out
 
-    def _stage(self, steps: list[StepRow], feats: torch.Tensor, lens: list[int]) -> None:
-        """Hand each request its rows of a step's tap features [rows, F*H] (held until the commit)."""
+    def _stage(self, steps: list[StepRow], lens: list[int], whole_step: bool) -> None:
+        """Tell the proposer which rows of this step have features in the store (held until the commit):
+        `whole_step`, a decode plan's one row per request, in one call."""
         assert self.proposer is not None
-        for s, f in zip(steps, feats.split(lens)):
-            self.proposer.stage_features(s.req_id, s.start, f)
+        if whole_step:
+            self.proposer.stage_step([s.req_id for s in steps], [s.start for s in steps])
+        else:
+            for s, n in zip(steps, lens):
+                self.proposer.stage_features(s.req_id, s.start, n)
 
     def _batch(self, spans: list[Span]) -> AttnBatch:
         dev = self.target.device
@@ -200,12 +193,15 @@ class ModelRunner:
         offsets = [0]
         for n in batch.q_lens:
             offsets.append(offsets[-1] + n)
-        if feats is not None and self.proposer is not None and whole_step:
-            self.proposer.stage_step([r for r, _, _ in spans], [s for _, s, _ in spans], feats)
-        elif feats is not None and self.proposer is not None:
-            for i, (req_id, start, _n) in enumerate(spans):
-                if capture[i]:
-                    self.proposer.stage_features(req_id, start, feats[offsets[i] : offsets[i + 1]])
+        if feats is not None and self.proposer is not None:
+            if self.stack is None and self.store is not None:  # the segmented stack wrote them itself
+                self.store.write(batch.slots, feats)
+            if whole_step:
+                self.proposer.stage_step([r for r, _, _ in spans], [s for _, s, _ in spans])
+            else:
+                for i, (req_id, start, n) in enumerate(spans):
+                    if capture[i]:
+                        self.proposer.stage_features(req_id, start, n)
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
         argmax, top_ids, top_lp = read_logits(self.target, hidden[rows], max(topk_k, default=0))
         out_argmax, out_topk, r = [], [], 0

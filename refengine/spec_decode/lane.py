@@ -1,6 +1,8 @@
 """The DFlash lane: each request's drafter context (context K/V in a paged pool of the drafter's geometry,
-pending target features) and the batched propose. Hidden states never leave the runner and this file: the
-engine sees token spans only.
+a count of committed rows not yet projected) and the batched propose. Hidden states never leave the device:
+the target's forwards write their tap features into the feature store at their KV slots
+(feature_store.py), and the lane reads a request's committed rows there when it drafts. The engine sees
+token spans and row counts only.
 
 A request holds pool pages for capacity + B rows from start_request on (prompt + max_tokens context rows,
 plus B scratch rows where the block's own K/V are written each draft), so a draft never allocates.
@@ -12,7 +14,7 @@ length == position of the current token. Violations raise AlignmentError at once
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,18 +25,7 @@ from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
-from refengine.spec_decode.pending_rows import (
-    HOST_PENDING_BYTES,
-    DecodeRow,
-    Moved,
-    Part,
-    on_device,
-    part_nbytes,
-    part_rows,
-    part_tensor,
-    runs_to_device,
-    wanted_rows,
-)
+from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import DraftItem
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
@@ -44,11 +35,7 @@ FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bound
 class DraftContext:
     capacity: int  # context rows it can hold (prompt + max_tokens); pages for + B more
     length: int = 0  # context rows whose K/V are in the pool
-    # target features, not yet projected: [rows, F*H] tensors, or rows of plain decode steps' tensors (which
-    # wait on the host; pending_rows.py)
-    pending: list[Part] = field(default_factory=list)
-    pending_rows: int = 0
-    host_bytes: int = 0  # of `pending`, the bytes held off the lane's device
+    pending_rows: int = 0  # committed rows after those, not yet projected (their features: the store)
 
 
 class DFlashLane:
@@ -58,13 +45,10 @@ class DFlashLane:
         self.drafter, self.pool, self.attention = drafter, pool, attention
         self.block_size = drafter.cfg.block_size
         self.capture_layers = drafter.cfg.target_layer_ids
-        self._width = drafter.feature_width  # F*H: checked on every committed row
-        self._device = drafter.fc.device
-        self._host_bytes = 0  # pending bytes off the device, all requests (bounded: HOST_PENDING_BYTES)
-        self.host_moves = 0  # times the host rows were moved to the device
+        self.store: FeatureStore | None = None  # bound by the engine once the target's pool exists
         self._ctx: dict[int, DraftContext] = {}
-        self._staged: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, features) of one step
-        self._staged_step: tuple[list[int], list[int], torch.Tensor] | None = None  # a decode step's (stage_step)
+        self._staged: dict[int, tuple[int, int]] = {}  # req -> (first position, rows) of this step
+        self._staged_step: tuple[list[int], list[int]] | None = None  # a decode step's (stage_step)
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
         self._sync_wait_s = 0.0
         self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (synchronised)
@@ -89,6 +73,16 @@ class DFlashLane:
         )
         return cls(drafter, pool, make_backend(backend, pool, m.num_heads, m.num_kv_heads, m.head_dim))
 
+    def bind_feature_store(self, store: FeatureStore) -> None:
+        if store.width != self.drafter.feature_width:
+            raise AlignmentError(f"feature store rows of {store.width}, the drafter reads {self.drafter.feature_width}")
+        self.store = store
+
+    def _features(self) -> FeatureStore:
+        if self.store is None:
+            raise AlignmentError("the lane has no feature store (bind_feature_store was not called)")
+        return self.store
+
     def start_request(self, req_id: int, capacity: int) -> None:
         rows = capacity + self.block_size
         if not self.pool.can_admit(rows):
@@ -101,9 +95,7 @@ class DFlashLane:
         self._ctx[req_id] = DraftContext(capacity=capacity)
 
     def release(self, req_id: int) -> None:
-        c = self._ctx.pop(req_id, None)
-        if c is not None:
-            self._host_bytes -= c.host_bytes
+        if self._ctx.pop(req_id, None) is not None:
             self.pool.release(req_id)
         self._staged.pop(req_id, None)
         if self._staged_step is not None and req_id in self._staged_step[0]:
@@ -117,42 +109,42 @@ class DFlashLane:
         return c.length + c.pending_rows
 
     def persistent_bytes(self) -> int:
-        """Bytes held for live requests: their pool pages (context K/V and block scratch) plus pending
-        target features."""
+        """Bytes held for live requests: their pool pages (context K/V and block scratch) plus the feature
+        store's rows at their target KV pages."""
         k = self.pool.k[0]
         page_bytes = 2 * len(self.pool.k) * k[0].numel() * k.element_size()
+        store = self.store
         total = 0
-        for rid, c in self._ctx.items():
+        for rid in self._ctx:
             total += len(self.pool.table(rid)) * page_bytes
-            total += sum(part_nbytes(f) for f in c.pending) - c.host_bytes  # host-held rows are not device bytes
+            if store is not None and rid in store.pool.seq_len:
+                total += len(store.pool.table(rid)) * store.pool.page_size * store.bytes_per_token()
         return total
 
-    # ---- features: staged by the runner, committed by the scheduler ---------------------------------------
-    def stage_features(self, req_id: int, first_position: int, feats: torch.Tensor) -> None:
+    # ---- rows: written to the store by the runner's forwards, staged by the runner, committed by the scheduler
+    def stage_features(self, req_id: int, first_position: int, rows: int) -> None:
         if req_id not in self._ctx:
             raise AlignmentError(f"request {req_id}: features staged for a request with no drafter context")
-        self._staged[req_id] = (first_position, feats)
+        self._staged[req_id] = (first_position, rows)
 
     def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
         staged = self._staged.pop(req_id, None)
         if staged is None:
             raise AlignmentError(f"request {req_id}: {rows} context rows committed but no features were staged")
-        start, feats = staged
-        n = feats.shape[0]
+        start, n = staged
         if start != first_position or not 0 < rows <= n:
             raise AlignmentError(
                 f"request {req_id}: commit of rows [{first_position}, {first_position + rows}) "
                 f"but the staged features cover [{start}, {start + n})"
             )
-        self.append_pending_context(req_id, feats if rows == n else feats[:rows], first_position)
+        self.append_pending_context(req_id, first_position, rows)
 
-    def stage_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
-        """A plain decode step's features [len(req_ids), F*H]: row i is req_ids[i]'s, at position starts[i].
-        One call per step, where stage_features per request would make a view per request."""
+    def stage_step(self, req_ids: list[int], starts: list[int]) -> None:
+        """A plain decode step's rows: one per request of req_ids, at positions starts[i]."""
         missing = [r for r in req_ids if r not in self._ctx]
         if missing:
             raise AlignmentError(f"requests {missing}: features staged for requests with no drafter context")
-        self._staged_step = (req_ids, starts, feats)
+        self._staged_step = (req_ids, starts)
 
     def commit_step(self, req_ids: list[int]) -> None:
         """The staged decode step's row of each of `req_ids` (the staged requests, in order) becomes context."""
@@ -175,39 +167,24 @@ class DFlashLane:
         staged = set(self._staged)
         return staged.union(self._staged_step[0]) if self._staged_step is not None else staged
 
-    def append_pending_context(self, req_id: int, feats: torch.Tensor, first_position: int) -> None:
-        """Queue target features for positions [first_position, first_position + rows)."""
+    def append_pending_context(self, req_id: int, first_position: int, rows: int) -> None:
+        """Rows [first_position, first_position + rows) of the request, in the store, become context."""
         c = self._ctx.get(req_id)
         if c is None:
             raise AlignmentError(f"request {req_id}: no drafter context (start_request was not called)")
-        shape = feats.shape
-        if len(shape) != 2 or shape[1] != self._width:
-            raise AlignmentError(f"request {req_id}: feature shape {list(shape)}, expected [rows, {self._width}]")
         if first_position != c.length + c.pending_rows:
             raise AlignmentError(
                 f"request {req_id}: features start at position {first_position}, "
                 f"but the drafter context ends at {c.length + c.pending_rows}"
             )
-        if first_position + shape[0] > c.capacity:
+        if first_position + rows > c.capacity:
             raise AlignmentError(
-                f"request {req_id}: context overflow, {first_position + shape[0]} rows > capacity {c.capacity}"
+                f"request {req_id}: context overflow, {first_position + rows} rows > capacity {c.capacity}"
             )
-        c.pending.append(feats)
-        c.pending_rows += shape[0]
-        if self._off_device(feats):
-            b = part_nbytes(feats)
-            c.host_bytes += b
-            self._host_bytes += b
-            if self._host_bytes > HOST_PENDING_BYTES:
-                self._host_rows_to_device()
+        c.pending_rows += rows
 
-    def append_pending_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
-        """append_pending_context of row i of a decode step's features [len(req_ids), F*H] for each request
-        (position starts[i]), all checked before any is queued. Each queues a DecodeRow: no per-row tensor."""
-        if feats.dim() != 2 or feats.shape[0] != len(req_ids) or feats.shape[1] != self._width:
-            raise AlignmentError(
-                f"decode step features {list(feats.shape)} for {len(req_ids)} requests, expected rows of {self._width}"
-            )
+    def append_pending_step(self, req_ids: list[int], starts: list[int]) -> None:
+        """append_pending_context of one row per request (position starts[i]), all checked before any counts."""
         ctx = []
         for r, p in zip(req_ids, starts):
             c = self._ctx.get(r)
@@ -219,73 +196,40 @@ class DFlashLane:
                     f"{c.length + c.pending_rows} (capacity {c.capacity})"
                 )
             ctx.append(c)
-        for i, c in enumerate(ctx):
-            c.pending.append(DecodeRow(feats, i))
+        for c in ctx:
             c.pending_rows += 1
-        if self._off_device(feats):
-            b = feats.shape[1] * feats.element_size()
-            for c in ctx:
-                c.host_bytes += b
-            self._host_bytes += b * len(ctx)
-            if self._host_bytes > HOST_PENDING_BYTES:
-                self._host_rows_to_device()
 
-    def _off_device(self, feats: torch.Tensor) -> bool:
-        return feats.device != self._device
-
-    def _host_rows_to_device(self) -> None:
-        """Every request's host rows to the device: whole step tensors once where most of their rows are
-        wanted, else one copy per run of rows (pending_rows.py)."""
-        held = [c for c in self._ctx.values() if c.host_bytes]
-        wanted = wanted_rows([f for c in held for f in c.pending], self._off_device)
-        moved: Moved = {}
-        for c in held:
-            c.pending = list[Part](runs_to_device(c.pending, self._device, moved, self._off_device, wanted, 1.0))
-            c.host_bytes = 0
-        self._host_bytes = 0
-        self.host_moves += 1
-
-    def _clear_pending(self, c: DraftContext) -> None:
-        self._host_bytes -= c.host_bytes
-        c.pending, c.pending_rows, c.host_bytes = [], 0, 0
-
+    # ---- projection: pending rows -> drafter context K/V ----------------------------------------------------
     def _flush_pending(self, req_ids: list[int]) -> None:
-        """Project pending rows (dense ops over many rows at once), then scatter into each context buffer.
+        """Project pending rows (dense ops over many rows at once) into each request's context pages.
 
-        Rows go in chunks of at most FLUSH_ROWS so the transient (fc output, fp32 norm, per-layer K/V) stays
-        bounded when many long prompts were prefilled before the first draft."""
-        chunk: list[tuple[int, DraftContext, int, Part]] = []  # (req, context, first position, rows)
+        Rows go in chunks of at most FLUSH_ROWS so the transient (gathered features, fc output, fp32 norm,
+        per-layer K/V) stays bounded when many long prompts were prefilled before the first draft."""
+        chunk: list[tuple[int, int, int]] = []  # (req, first position, end)
         rows = 0
-        moved: Moved = {}  # host step tensors already on the device (pending_rows.runs_to_device)
         for r in req_ids:
             c = self._ctx[r]
-            pos = c.length
-            for f in c.pending:
-                n = part_rows(f)
-                for lo in range(0, n, FLUSH_ROWS):
-                    part: Part = f if n <= FLUSH_ROWS else part_tensor(f)[lo : lo + FLUSH_ROWS]
-                    k = min(n - lo, FLUSH_ROWS)
-                    if rows + k > FLUSH_ROWS:
-                        self._project(chunk, moved)
-                        chunk, rows = [], 0
-                    chunk.append((r, c, pos, part))
-                    pos += k
-                    rows += k
-            self._clear_pending(c)
+            pos, end = c.length, c.length + c.pending_rows
+            while pos < end:
+                k = min(end - pos, FLUSH_ROWS - rows)
+                chunk.append((r, pos, pos + k))
+                pos, rows = pos + k, rows + k
+                if rows == FLUSH_ROWS:
+                    self._project(chunk)
+                    chunk, rows = [], 0
+            c.length, c.pending_rows = end, 0
         if chunk:
-            self._project(chunk, moved)
+            self._project(chunk)
 
-    def _project(self, chunk: list[tuple[int, DraftContext, int, Part]], moved: Moved) -> None:
-        feats = on_device([f for *_, f in chunk], self._device, moved, self._off_device)  # [R, F*H]
-        spans = [(r, p, p + part_rows(f)) for r, _, p, f in chunk]  # (req, first position, end)
-        positions = torch.cat([torch.arange(p, e) for _, p, e in spans]).to(feats.device)
-        slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in spans]).to(feats.device)
+    def _project(self, chunk: list[tuple[int, int, int]]) -> None:
+        store = self._features()
+        feats = store.rows.index_select(0, torch.cat([store.slots(r, p, e) for r, p, e in chunk]))  # [R, F*H]
+        positions = torch.cat([torch.arange(p, e) for _, p, e in chunk]).to(feats.device)
+        slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in chunk]).to(feats.device)
         m = self.drafter.mcfg
         for li, (k, v) in enumerate(self.drafter.context_kv(feats, positions)):
             self.pool.k[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = k
             self.pool.v[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = v
-        for _, c, p, f in chunk:
-            c.length = p + part_rows(f)
 
     def _prepare(self, items: list[DraftItem]) -> None:
         """Project pending context rows, then check every request's context ends right before its block."""
@@ -308,8 +252,8 @@ class DFlashLane:
         b = self.block_size
         steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
         if self.graph is not None and self.graph.fits(steps):
-            # Pending context of at most B rows per request (what a verify commits) is projected inside the
-            # graph; more (a prompt, just prefilled) is flushed eagerly first.
+            # Pending context of at most B rows per request (what a verify commits) is gathered from the store
+            # and projected inside the graph; more (a prompt, a plain stretch) is flushed eagerly first.
             if any(self._ctx[it.req_id].pending_rows > b for it in items):
                 self._catch_up([it.req_id for it in items])
             pending = [self._take_pending(it.req_id) for it in items]
@@ -326,13 +270,13 @@ class DFlashLane:
         """The graph path's eager flush of more pending rows than the draft graph projects (a prompt, a plain
         stretch), timed apart (synchronised; take_catch_up): a switch's cost, not a steady draft's. On the
         eager path every draft flushes its rows eagerly, and that is its cost."""
-        cuda = self._device.type == "cuda"
+        cuda = self.drafter.fc.device.type == "cuda"
         if cuda:
-            torch.cuda.synchronize(self._device)
+            torch.cuda.synchronize(self.drafter.fc.device)
         t = time.perf_counter()
         self._flush_pending(req_ids)
         if cuda:
-            torch.cuda.synchronize(self._device)
+            torch.cuda.synchronize(self.drafter.fc.device)
         self._catch_up_s += time.perf_counter() - t
 
     def take_catch_up(self) -> float:
@@ -345,32 +289,32 @@ class DFlashLane:
         wait, self._sync_wait_s = self._sync_wait_s, 0.0
         return wait
 
-    def _take_pending(self, req_id: int) -> torch.Tensor | None:
-        """The request's pending rows as one tensor (None when there are none), now counted as cached: the
-        draft graph writes their K/V before anything reads them."""
+    def _take_pending(self, req_id: int) -> int:
+        """The request's pending row count, now counted as cached: the draft graph writes their K/V before
+        anything reads them."""
         c = self._ctx[req_id]
-        if not c.pending_rows:
-            return None
-        rows = on_device(c.pending, self._device, off=self._off_device)
-        c.length += c.pending_rows
-        self._clear_pending(c)
-        return rows
+        n, c.length, c.pending_rows = c.pending_rows, c.length + c.pending_rows, 0
+        return n
 
-    def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[torch.Tensor | None]) -> None:
-        """Request i's pending rows go to context rows [i*B, i*B + n) of the graph; the rest write the dummy page."""
+    def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[int]) -> None:
+        """Request i's n pending rows go to context rows [i*B, i*B + n) of the graph: the graph gathers their
+        features from the store (`sources`: target KV slots) and writes their K/V at `slots`; the other rows
+        write the dummy page."""
         ctx, b, page = graph.buffers.context, self.block_size, self.pool.page_size
         assert ctx is not None
+        store = self._features()
         pos = [0] * ctx.positions.shape[0]
         slots = [self.pool.dummy_blocks[0] * page] * len(pos)
-        for i, (it, rows) in enumerate(zip(items, pending)):
-            if rows is None:
-                continue
-            n, first = rows.shape[0], it.start - rows.shape[0]
-            ctx.feats[i * b : i * b + n].copy_(rows)
-            pos[i * b : i * b + n] = range(first, it.start)
-            slots[i * b : i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
+        sources = [store.pool.dummy_blocks[0] * store.pool.page_size] * len(pos)
+        for i, (it, n) in enumerate(zip(items, pending)):
+            if n:
+                first = it.start - n
+                pos[i * b : i * b + n] = range(first, it.start)
+                slots[i * b : i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
+                sources[i * b : i * b + n] = store.pool.slots(it.req_id, first, it.start).tolist()
         ctx.positions.copy_(torch.tensor(pos), non_blocking=True)
         ctx.slots.copy_(torch.tensor(slots), non_blocking=True)
+        ctx.sources.copy_(torch.tensor(sources), non_blocking=True)
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:

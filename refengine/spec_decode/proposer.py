@@ -1,19 +1,22 @@
 """The seam between the engine and a draft method: the Proposer protocol.
 
-The engine hands a proposer token spans and row counts only. Target hidden states reach it one way: the
-runner stages the tap-layer features of every row it ran for a speculating request (`stage_features`; a
-plain decode step of speculating requests, one row each, as one tensor: `stage_step`), and the scheduler,
-once it knows how many of those rows are committed, makes them drafter context (`commit_context` after a
-prefill, `commit_step` after such a decode step, `record_verify_dflash_context` after a verify). Staged
-rows that are not committed (rejected drafts, a failed step) are dropped. The DFlash lane and the test
-proposers (tests/proposers.py) implement it; there is no base class until a second real draft method exists.
+The engine hands a proposer token spans and row counts only. Target hidden states reach it one way: every
+target forward writes the tap-layer features of its rows into the feature store at their KV slots
+(feature_store.py; bound with `bind_feature_store`), and the runner stages which rows a speculating request
+ran (`stage_features`; a plain decode step of speculating requests, one row each, in one call:
+`stage_step`). The scheduler, once it knows how many of those rows are committed, makes them drafter
+context (`commit_context` after a prefill, `commit_step` after such a decode step,
+`record_verify_dflash_context` after a verify). Staged rows that are not committed (rejected drafts, a
+failed step) are dropped; the next forward at their positions overwrites their store rows, as it does their
+K/V. The DFlash lane and the test proposers (tests/proposers.py) implement it; there is no base class until
+a second real draft method exists.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-import torch
+from refengine.spec_decode.feature_store import FeatureStore
 
 
 class DraftItem(NamedTuple):
@@ -30,6 +33,9 @@ class Proposer(Protocol):
     block_size: int  # B: the widest verify span
     capture_layers: tuple[int, ...]  # target layers whose outputs the proposer reads
 
+    def bind_feature_store(self, store: FeatureStore) -> None:
+        """The store the target's forwards write (rows of len(capture_layers) * H), before any request."""
+
     def start_request(self, req_id: int, capacity: int) -> None:
         """A speculating request was admitted; its context will hold at most `capacity` rows."""
 
@@ -42,16 +48,15 @@ class Proposer(Protocol):
     def context_rows(self, req_id: int) -> int:
         """Committed context rows (cached + pending): must equal the request's committed KV length."""
 
-    def stage_features(self, req_id: int, first_position: int, feats: torch.Tensor) -> None:
-        """Features [rows, len(capture_layers) * H] of positions [first_position, first_position + rows),
-        held until the scheduler commits some of them."""
+    def stage_features(self, req_id: int, first_position: int, rows: int) -> None:
+        """The step ran positions [first_position, first_position + rows) of the request (their features are
+        in the store), held until the scheduler commits some of them."""
 
     def commit_context(self, req_id: int, first_position: int, rows: int) -> None:
         """The first `rows` staged rows (starting at `first_position`) become context; the rest are dropped."""
 
-    def stage_step(self, req_ids: list[int], starts: list[int], feats: torch.Tensor) -> None:
-        """A decode step's features [len(req_ids), len(capture_layers) * H]: row i is req_ids[i]'s, at
-        position starts[i]; held until commit_step."""
+    def stage_step(self, req_ids: list[int], starts: list[int]) -> None:
+        """A decode step ran one row of each of req_ids, at positions starts[i]; held until commit_step."""
 
     def commit_step(self, req_ids: list[int]) -> None:
         """The staged decode step's rows (one per request of `req_ids`, the staged order) become context."""

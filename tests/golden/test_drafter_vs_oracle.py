@@ -43,13 +43,16 @@ def _compare(pair, seed, monkeypatch, breakage=None) -> list[str]:
     feats = [torch.randn(n, drafter.feature_width, generator=gen) for n in lengths]
     for r, n in enumerate(lengths):
         lane.start_request(r, n + b)
+        engine.pool.admit(r, n)  # the feature store's rows are the target's KV slots of the request
+        engine.pool.extend(r, n)
     # context arrives in up to three chunks; the lane projects pending rows lazily at propose time
     done, problems = [0] * n_req, []
     for round_ in range(3):
         for r, n in enumerate(lengths):
             upto = n if round_ == 2 else min(n, done[r] + rng.randrange(0, n + 1))
             if upto > done[r]:
-                lane.append_pending_context(r, feats[r][done[r] : upto], done[r])
+                lane.store.put(r, done[r], feats[r][done[r] : upto])
+                lane.append_pending_context(r, done[r], upto - done[r])
                 done[r] = upto
         ready = [r for r in range(n_req) if done[r] > 0]
         if not ready:

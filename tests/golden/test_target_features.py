@@ -1,8 +1,9 @@
-"""Direct feature checks, CPU fp32: every target-feature row refengine hands its drafter (captured at the
-lane's append_pending_context, via tests/adapter.FeatureRecorder) equals HF's tap-layer outputs for that
-request's own tokens (golden.hf_reference.target_features), row by row, within golden.gates.FEATURE_REL_TOL:
-rows from a prefill alone, from a batched prefill of several requests, and from verify commits; and in
-adaptive mode from plain decode steps (every span 1: one staged tensor for the step, a row per request).
+"""Direct feature checks, CPU fp32: every target-feature row refengine hands its drafter (read from the
+feature store when the lane's append_pending_context / append_pending_step commits it, via
+tests/adapter.FeatureRecorder) equals HF's tap-layer outputs for that request's own tokens
+(golden.hf_reference.target_features), row by row, within golden.gates.FEATURE_REL_TOL: rows from a prefill
+alone, from a batched prefill of several requests, and from verify commits; and in adaptive mode from plain
+decode steps (every span 1: one staged step, a row per request).
 Every request hands over exactly its committed length of rows. Teeth: a tap layer off by one, a batched
 prefill handing each request its neighbour's rows, verify rows shifted by one, and a decode step's rows
 rotated between requests each fail the check at the right position and source (all keep outputs lossless;
@@ -21,6 +22,7 @@ import pytest
 
 from golden import hf_reference
 from golden.features import feature_check
+from golden.gates import FEATURE_REL_TOL
 from golden.pairs import pair_spec, text_prompts
 from refengine import SamplingParams
 from tests.adapter import (
@@ -52,10 +54,11 @@ def _labels(recorder: FeatureRecorder, req_id: int) -> list[str]:
     return out
 
 
-def feature_reports(pair, *breakages, **engine_kw):
+def feature_reports(pair, *breakages, make_engine=cpu_engine, hf_dtype=None, rel_tol=FEATURE_REL_TOL, **engine_kw):
     """Request 0 is prefilled alone; the other six arrive together (one batched prefill); all then verify
-    together. Returns (FeatureReport per request, per-request row labels)."""
-    engine = cpu_engine(pair.target, pair.draft, **engine_kw)
+    together. Returns (FeatureReport per request, per-request row labels). The engine comes from
+    `make_engine` (the GPU suite passes tests.adapter.gpu_engine, HF then runs in `hf_dtype` on CUDA)."""
+    engine = make_engine(pair.target, pair.draft, **engine_kw)
     for breakage in breakages:
         breakage(engine)
     recorder = FeatureRecorder(engine)
@@ -73,9 +76,17 @@ def feature_reports(pair, *breakages, **engine_kw):
     for i, r in enumerate(reqs):
         rows = recorder.rows(r.request_id)
         committed = len(r.prompt_ids) + len(r.output_ids) - 1
-        want = hf_reference.target_features(pair.target, (r.prompt_ids + r.output_ids)[:committed], taps)
+        ids = (r.prompt_ids + r.output_ids)[:committed]
+        if hf_dtype is None:
+            want = hf_reference.target_features(pair.target, ids, taps)
+        else:
+            want = hf_reference.target_features(pair.target, ids, taps, dtype=hf_dtype, device="cuda").float().cpu()
         labels.append(_labels(recorder, r.request_id))
-        reports.append(feature_check(f"request {i}", rows, want, expected_rows=committed, labels=labels[-1]))
+        reports.append(
+            feature_check(
+                f"request {i}", rows.float(), want, expected_rows=committed, labels=labels[-1], rel_tol=rel_tol
+            )
+        )
     return reports, labels
 
 

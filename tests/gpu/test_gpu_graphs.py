@@ -3,8 +3,8 @@ the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass
 
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
 - adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
-  rows per request; all-span-1 steps the decode graph with taps), and the drafts it proposes are the same
-  whether those decode rows' features waited on the host (the default) or on the device;
+  rows per request; all-span-1 steps the decode graph with taps);
+- the feature store: what the graphs write there and the drafter reads equals HF's tap outputs (bf16);
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
 - the full graph at KV lengths from tens to thousands of tokens, and a deliberately stale attention plan
@@ -18,10 +18,12 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from golden.gates import MARGIN_TOL, first_divergence_regret_gate
+from golden.gates import FEATURE_REL_TOL_BF16, MARGIN_TOL, first_divergence_regret_gate
 from refengine.attention.graph_attention import FlashInferGraphAttention
-from tests.adapter import first_divergence, gpu_engine, greedy, record_drafts, score_sequences
+from tests.adapter import break_decode_step_rows_rotated, gpu_engine, greedy, score_sequences
+from tests.golden.test_target_features import _two_plain_steps_per_draft, feature_reports
 
 pytestmark = pytest.mark.gpu
 B = 16
@@ -96,39 +98,27 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     assert not failures, "\n".join(failures)
 
 
-def test_gpu_decode_features_on_the_host_give_the_same_drafts(trained_pair, monkeypatch):
-    """All-span-1 steps stage their tap features on the host (ModelRunner._replay), moved to the device past a
-    bound (set to a few rows here, so it is crossed): the drafter context built from them must give exactly the
-    drafts the device-staged path gives, step for step."""
-    import refengine.runner.model_runner as model_runner
-    import refengine.spec_decode.lane as lane_module
-
-    prompts = _prompts(8, [5, 16, 40], seed=3, vocab=4096)
-    budgets = [48] * 8
-
-    def run(to_host: bool) -> tuple[list[list[list[int]]], int]:
-        monkeypatch.setattr(model_runner, "DECODE_FEATURES_TO_HOST", to_host)
-        engine = gpu_engine(
-            trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=8, speculation="adaptive"
-        )
-        monkeypatch.setattr(lane_module, "HOST_PENDING_BYTES", 20 * engine.proposer._width * 2)  # 20 bf16 rows
-        rng = random.Random(5)
-        engine.scheduler.policy.choose = lambda ids, rem: (  # type: ignore[union-attr]
-            [1] * len(ids) if rng.random() < 0.7 else [B] * len(ids)
-        )
-        log = record_drafts(engine)
-        greedy(engine, prompts, budgets)
-        engine.check_integrity()
-        return log, engine.proposer.host_moves
-
-    (host, moves), (device, no_moves) = run(True), run(False)
-    assert len(host) > 3, f"only {len(host)} draft steps ran"
-    assert moves > 0 and no_moves == 0, f"host rows moved {moves} times (host path), {no_moves} (device path)"
-    first = first_divergence(host, device)
-    assert first is None, (
-        f"drafts differ at draft step {first} of {len(host)} (host) / {len(device)} (device): "
-        f"{host[first] if first is not None else ''} vs {device[first] if first is not None else ''}"
-    )
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_gpu_feature_store_hands_the_drafter_hf_features(trained_pair, mode):
+    """The feature store written inside the decode and verify graphs (and by the eager prefill) holds, at the
+    rows the drafter reads, HF's tap-layer outputs for the request's own tokens (HF in bf16 on the GPU), within
+    FEATURE_REL_TOL_BF16: prefill rows, verify rows and adaptive plain decode rows (two plain steps, then a
+    drafting one, so the draft graph both gathers rows in-graph and catches up longer stretches eagerly).
+    Teeth: the same run with a decode step's rows rotated between requests fails every request there."""
+    kw = dict(make_engine=gpu_engine, hf_dtype=torch.bfloat16, rel_tol=FEATURE_REL_TOL_BF16)
+    kw |= dict(graph_mode=mode, speculation="adaptive")
+    reports, labels = feature_reports(trained_pair, _two_plain_steps_per_draft, **kw)
+    for rep in reports:
+        print(rep)
+    assert all(any(x.startswith("DecodePlan") for x in lab) for lab in labels), "every request decodes plainly"
+    assert all(any(x.startswith("VerifyPlan") for x in lab) for lab in labels), "every request verifies"
+    for rep in reports:
+        rep.assert_passes()
+    broken, _ = feature_reports(trained_pair, _two_plain_steps_per_draft, break_decode_step_rows_rotated, **kw)
+    for rep in broken:
+        print(rep)
+    bad = [i for i, rep in enumerate(broken) if not rep.passed and rep.first_bad_label.startswith("DecodePlan")]
+    assert bad == list(range(len(broken))), f"requests failing at a decode row with rotated rows: {bad}"
 
 
 def _short_then_long(pair, mode: str, rule: bool):

@@ -183,7 +183,7 @@ def test_check_integrity_names_each_disagreement(random_pair):
         (lambda e, a, b: e.pool.admit(b.request_id, 20), "KV pool holds requests [1] that are not running"),
         (lambda e, a, b: e.pool.lifetime_blocks.update({7: 1}), "lifetime promises for requests [0, 7]"),
         (
-            lambda e, a, b: e.proposer.stage_features(a.request_id, 15, None),
+            lambda e, a, b: e.proposer.stage_features(a.request_id, 15, 1),
             "proposer holds staged features for requests [0] between steps",
         ),
         (lambda e, a, b: e.proposer.start_request(b.request_id, 40), "proposer holds requests [0, 1]"),
