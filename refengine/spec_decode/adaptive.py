@@ -65,7 +65,6 @@ class AdaptivePolicy:
     estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
     last_drafted: dict[int, int] = field(default_factory=dict)  # req -> the step of its last drafting choice
-    catch_up_row_s: float = 0.0  # a catch-up flush's seconds per pending row (moving average; 0 until seen)
     catch_ups: int = 0  # catch-up flushes observed
     _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
     interval: int = MIN_EXPLORE
@@ -224,7 +223,7 @@ class AdaptivePolicy:
         if drafted:
             t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
             if req_ids is not None:
-                t += self.catch_up_row_s * self._pending_rows(req_ids, spans)
+                t += self.cost.catch_up_s(self._pending_rows(req_ids, spans))
             tokens = sum(e[s] for e, s in zip(tables, spans))
         else:
             t, tokens = self.cost.plain_s(n), float(n)
@@ -235,14 +234,13 @@ class AdaptivePolicy:
     ) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings;
         `catch_up_s`: the part of the draft that projected context carried past a plain stretch (or a prompt),
-        learnt per row (charged to the explorations that would cause one) and kept out of the draft curve: a
+        learnt as C(rows) (charged to the explorations that would cause one) and kept out of the draft curve: a
         switch's cost, not a steady draft's. Left in the draft curve, the trained tiny pair's drafts looked 4x
         dearer on the H200 (2.0 vs 0.5 ms) and adaptive never drafted; left out of everything, exploration
         after plain stretches was underpriced (with that, Qwen3-4B tau 1 c32 measured 0.73 of plain in one H200
         run, against 0.97 in the run before; docs/PERF.md)."""
         if catch_up_s > 0 and self._catch_up_rows:
-            per_row = catch_up_s / self._catch_up_rows
-            self.catch_up_row_s = per_row if not self.catch_ups else 0.8 * self.catch_up_row_s + 0.2 * per_row
+            self.cost.observe_catch_up(self._catch_up_rows, catch_up_s)
             self.catch_ups += 1
         executed = rows if not drafted and rows == n else self.rows(n, rows)
         self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s)
@@ -279,7 +277,11 @@ class AdaptivePolicy:
             "explore_regret_ms": round(self.regret_s * 1e3, 3),
             "probe_regret_ms": round(self.probe_regret_s * 1e3, 3),
             "catch_ups": self.catch_ups,
-            "catch_up_us_per_row": round(self.catch_up_row_s * 1e6, 3),
+            "catch_up_ms_model": {
+                "fixed": round(self.cost.catch_up.theta[0], 4),
+                "per_row_us": round(self.cost.catch_up.theta[1] * 1e3, 3),
+                "fits": self.cost.catch_up.updates,
+            },
             "observed_step_ms": round(self.elapsed_s * 1e3, 3),
             "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
             "verify_ms_model": {

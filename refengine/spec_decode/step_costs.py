@@ -5,7 +5,10 @@ with a prior.
 
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
-- P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph).
+- P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
+- C(R) = c0 + c1*R: a catch-up, the eager projection of R context rows carried past a plain stretch (0 until
+  one was seen). Mostly fixed: launches and two syncs (H200: ~0.5 ms however few rows); priced per row
+  alone it looked 27-42 us a row from short stretches and made exploring after long ones unaffordable.
 P is its own curve because the decode graph is not the verify graph at one row per request. Pure Python.
 """
 
@@ -21,6 +24,7 @@ FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
+VAR_CATCH_UP_ROW = 1e-4  # a catch-up row: prior 2 us, sd 10 us (a row is a gather and a few GEMM rows)
 
 
 class _Fit:
@@ -87,6 +91,7 @@ class CostModel:
     verify: _Fit = field(default_factory=lambda: _Fit([5.0, 0.05, 0.02], [VAR_STEP, VAR_REQUEST, VAR_ROW]))
     draft: _Fit = field(default_factory=lambda: _Fit([2.0, 0.1], [VAR_STEP, VAR_REQUEST]))
     plain: _Fit = field(default_factory=lambda: _Fit([5.0, 0.07], [VAR_STEP, VAR_REQUEST]))
+    catch_up: _Fit = field(default_factory=lambda: _Fit([0.5, 0.002], [VAR_STEP, VAR_CATCH_UP_ROW]))
     bucket: Callable[[int], int] = _same
     draft_bucket: Callable[[int], int] = _same
     tables: dict[str, dict] = field(default_factory=lambda: {"verify": {}, "draft": {}, "plain": {}})
@@ -120,6 +125,15 @@ class CostModel:
             return 0.0
         t = self.tables["draft"].get(self.draft_bucket(m))
         return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
+
+    def catch_up_s(self, rows: int) -> float:
+        """C(rows): 0 for no rows, or until a catch-up was observed (nothing to price it by yet)."""
+        if not rows or not self.catch_up.updates:
+            return 0.0
+        return max(self.catch_up.predict([1.0, rows]), 0.0) * 1e-3
+
+    def observe_catch_up(self, rows: int, seconds: float) -> None:
+        self.catch_up.update([1.0, rows], seconds * 1e3)
 
     def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
         """One step of n requests computing `rows` rows (`drafted` of them drafting), and its times. A sample

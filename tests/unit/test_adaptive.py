@@ -205,14 +205,20 @@ def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, toke
 
 
 def _simulate_phases(
-    mode: str, phases, p_first: float | None = None, true: CostModel | None = None, catch_up_row_s: float = 0.0
+    mode: str,
+    phases,
+    p_first: float | None = None,
+    true: CostModel | None = None,
+    catch_up_row_s: float = 0.0,
+    catch_up_fixed_s: float = 0.0,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
     `p_first`: the acceptance of each request's first drafting step (a drafter whose first block after the
     prompt is poorer than the rest). `catch_up_row_s`: a draft also pays this per context row its requests
     carry since their last draft (a prompt of 128 rows at first) whenever one carries more than a block (the
-    lane's eager catch-up), reported to the policy as the scheduler does."""
+    lane's eager catch-up), plus `catch_up_fixed_s` once (its launches and syncs), reported to the policy as
+    the scheduler does."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -232,7 +238,9 @@ def _simulate_phases(
                 drafted = sum(s > 1 for s in spans)
                 draft = true.draft_s(drafted)
                 rows_carried = [carried.get(r, 128) for r, s in zip(live, spans) if s > 1]
-                catch_up = catch_up_row_s * sum(rows_carried) if rows_carried and max(rows_carried) > B else 0.0
+                catch_up = 0.0
+                if rows_carried and max(rows_carried) > B:
+                    catch_up = catch_up_fixed_s + catch_up_row_s * sum(rows_carried)
                 draft += catch_up
                 rows = _graph_rows(len(live), sum(spans))
                 verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
