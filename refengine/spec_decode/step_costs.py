@@ -7,8 +7,9 @@ with a prior.
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
 - C(R) = c0 + c1*R: a catch-up, the eager projection of R context rows carried past a plain stretch (0 until
-  one was seen). Mostly fixed: launches and two syncs (H200: ~0.5 ms however few rows); priced per row
-  alone it looked 27-42 us a row from short stretches and made exploring after long ones unaffordable.
+  one was seen). Mostly fixed (H200, Qwen3-4B shapes: 7.7-8.8 ms however few rows at c1..c16, 1.75 ms +
+  11 us a row at c32; docs/PERF.md run 40); priced per row alone it looked 27-42 us a row from short
+  stretches and overpriced long ones.
 P is its own curve because the decode graph is not the verify graph at one row per request. Pure Python.
 """
 

@@ -1,7 +1,7 @@
 """Catch-up flushes in the adaptive policy's costs: the runner's `catch_up_s` (the lane's eager projection of
 more pending context rows than the draft graph takes, after a prompt or a plain stretch) reaches the policy
 apart from the draft time; the draft curve leaves it out, a catch-up cost C(rows) = fixed + per row is learnt
-from it (priced per row alone, the H200's ~0.5 ms of launches and syncs looked 27-42 us a row), and an
+from it (priced per row alone, the H200's mostly fixed catch-up cost looked 27-42 us a row), and an
 exploration that would cause one is charged it. The lane side (graph path, CUDA) is
 tests/gpu/test_gpu_catch_up.py. In simulation, with catch-ups costing 8 us a row, adaptive reaches 1.070 of
 the better of plain and fixed spans at acceptance 0.6, c8 and 0.984 at 0.85, c32, against 0.805 and 0.763
@@ -63,7 +63,7 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
     assert pol.catch_ups == 0 and pol.cost.catch_up_s(100) == 0.0, "a catch-up priced before one was seen"
     draft_fit = list(pol.cost.draft.theta)
 
-    def truth(rows: int) -> float:  # H200-like: launches and syncs, ~0.5 ms, and a little per row
+    def truth(rows: int) -> float:  # mostly fixed (launches, syncs), a little per row
         return 0.5e-3 + 1e-6 * rows
 
     for stretch in (20, 60, 120):  # plain stretches longer than a block, each ended by a catch-up
@@ -94,7 +94,7 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
 @pytest.mark.parametrize("concurrency,p_accept", [(8, 0.6), (32, 0.85)])
 @pytest.mark.parametrize("fixed_s,row_s", [(0.0, 8e-6), (0.5e-3, 1e-6)], ids=["8us-a-row", "0.5ms+1us-a-row"])
 def test_catch_up_costs_in_simulation(concurrency, p_accept, fixed_s, row_s):
-    # catch-ups at 8 us a row, or (H200-like) 0.5 ms plus 1 us a row: adaptive within 3% of the better of
+    # catch-ups at 8 us a row, or mostly fixed (0.5 ms plus 1 us a row): adaptive within 3% of the better of
     # plain and fixed spans (catch-ups inside the draft curve, as before: 0.805 and 0.763 of it at 8 us a row)
     phases = [(concurrency, p_accept, 4, 128)]
     kw = dict(catch_up_fixed_s=fixed_s, catch_up_row_s=row_s)
