@@ -106,14 +106,18 @@ def _two_plain_steps_per_draft(engine) -> None:
     policy.choose = lambda ids, remaining: [b] * len(ids) if next(steps) % 3 == 2 else [1] * len(ids)
 
 
-def test_adaptive_plain_steps_hand_the_drafter_hf_features(model_pair):
-    reports, labels = feature_reports(model_pair, _two_plain_steps_per_draft, speculation="adaptive")
+def assert_adaptive_reports_pass(reports, labels) -> None:
+    """Every request handed over rows of plain decode steps and of verifies, and every row passes."""
     for rep in reports:
         print(rep)
     assert all(any(x.startswith("DecodePlan") for x in lab) for lab in labels), "every request decodes plainly"
     assert all(any(x.startswith("VerifyPlan") for x in lab) for lab in labels), "every request verifies"
     for rep in reports:
         rep.assert_passes()
+
+
+def test_adaptive_plain_steps_hand_the_drafter_hf_features(model_pair):
+    assert_adaptive_reports_pass(*feature_reports(model_pair, _two_plain_steps_per_draft, speculation="adaptive"))
 
 
 def test_feature_check_fails_on_rotated_decode_step_rows(trained_pair):
