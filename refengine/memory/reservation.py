@@ -242,7 +242,7 @@ class DFlashMemoryReservation:
             dense = b * (hd + q + 2 * kv + 2 * inter) * rows  # hidden, q, k, v, gate, up
             logits = b * vocab * (block - 1) * max_decode_batch  # block row 0 is the known token
             headroom = rows * (draft_kv + pending)
-            # one chunk of R pending rows in projection: the concatenated features, fc output, the fp32
+            # one chunk of R pending rows in projection: the features gathered from the store, fc output, the fp32
             # temporaries of hidden_norm (3 x Hd fp32) and of each k_norm (2 x kv fp32), every layer's K and V
             flush = DRAFT_CONTEXT_FLUSH_ROWS * (pending + 2 * hd * b + 3 * hd * 4 + 2 * kv * 4 + draft_kv)
         return cls(

@@ -20,8 +20,8 @@ Model (all online, with priors):
   wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
   choice loses more than a wrong plain one). An O(N) upper bound skips the search when plain clearly wins,
   and a plain decision is reused until an observation arrives or the batch changes. A draft's eager
-  catch-up of context carried past a plain stretch is not in D: it is learnt per carried row and charged
-  to the explorations that would cause one (observe_step).
+  catch-up of context carried past a plain stretch is not in D: it is learnt as C(rows), a fixed cost plus a
+  cost per carried row, and charged to the explorations that would cause one (observe_step).
 - exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
   spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
   far plus the live requests' remaining work at plain speed. Each curve is measured once at start-up
