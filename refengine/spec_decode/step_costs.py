@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 TABLE_WEIGHT = 0.2  # a step's weight in its shape's moving average
 SPIKE = 2.0  # a sample counts for at most this multiple of the current estimate
+MIN_STEP_S = 1e-6  # a step's time in the tables is at least this: a 0 s sample (a mocked runner, a coarse
+# clock) must not make a shape free (choose_spans divides by the plain step's time)
 SOLVE_EVERY = 4  # after the first few samples, the fit is re-solved every SOLVE_EVERY-th
 FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # Prior variances (ms^2) of (per step, per request, per row): a step's cost is mostly fixed (memory-bound), so
@@ -155,10 +157,10 @@ class CostModel:
 
     def seed(self, kind: str, key, seconds: float) -> None:
         """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket)."""
-        self.tables[kind][key] = seconds
+        self.tables[kind][key] = max(seconds, MIN_STEP_S)
         x = [1.0, key[0], key[1]] if kind == "verify" else [1.0, key]
         getattr(self, kind).update(x, seconds * 1e3)
 
     def _average(self, kind: str, key, seconds: float) -> None:
-        old = self.tables[kind].get(key)
+        old, seconds = self.tables[kind].get(key), max(seconds, MIN_STEP_S)
         self.tables[kind][key] = seconds if old is None else old + TABLE_WEIGHT * (seconds - old)

@@ -313,6 +313,16 @@ def test_measured_shapes_override_the_fit():
     assert m.verify_s(6, 32) == measured and m.verify_s(12, 64) > unmeasured, (measured, unmeasured)
 
 
+def test_a_zero_second_step_does_not_make_a_shape_free():
+    # a step timed at 0 s (a mocked runner, a coarse clock) used to put 0 in the plain table, and the next
+    # span choice divided by it (ZeroDivisionError in choose_spans)
+    m = CostModel()
+    m.observe(8, 8, 0, 0.0, 0.0)
+    assert m.plain_s(8) > 0, m.plain_s(8)
+    tables = [[0.0, 1.0] + [1.0] * B] * 8
+    assert choose_spans(tables, [100] * 8, B, m).spans == [1] * 8
+
+
 def test_one_stall_does_not_make_a_shape_look_slow():
     # a 50 ms pause inside one 4 ms decode step (a gc pass): the shape's estimate rises by at most one SPIKE-capped
     # sample's share, so plain decode does not suddenly look 3x slower than speculation
