@@ -178,11 +178,12 @@ class Scheduler(StepRecovery):
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
+            remaining = [r.remaining for r in spec]
             if self.policy is not None:
-                spans = self.policy.choose([r.request_id for r in spec], [r.remaining for r in spec])
+                spans = self.policy.choose([r.request_id for r in spec], remaining)
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
-            spans = [min(s, r.remaining) for s, r in zip(spans, spec)]  # never verify past the budget
+            spans = [min(s, left) for s, left in zip(spans, remaining)]  # never verify past the budget
             if self.policy is not None:  # graphs captured so far: a step that captures one is no cost sample
                 self._captured = self._captures() if self._captures is not None else 0
             if self.policy is not None and max(spans) == 1:

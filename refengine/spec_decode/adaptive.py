@@ -84,6 +84,7 @@ class AdaptivePolicy:
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
     _cached: Decision | None = None
+    _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
 
     def __post_init__(self) -> None:
@@ -144,7 +145,11 @@ class AdaptivePolicy:
             self.caps[1] += 1
             return [1] * len(req_ids)
         self._settled = False
-        tables = self.estimates.tables(req_ids)
+        # the tables are a pure function of the observations (the version) and the requests: reused across the
+        # exploration checks of a settled plain stretch (32 requests' tables: ~0.25 ms on a 2-core CPU)
+        if self._tables is None or self._tables[0] != key[:2]:
+            self._tables = (key[:2], self.estimates.tables(req_ids))
+        tables = self._tables[1]
         d = self._cached if self._cache_key == key and self._cached is not None else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
         if d is None:
