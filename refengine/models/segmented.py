@@ -158,13 +158,14 @@ class SegmentedStack:
         kernels: Kernels,
         tap_layers: tuple[int, ...] = (),
         context_proj: tuple[torch.Tensor, torch.Tensor] | None = None,
+        feature_store: torch.Tensor | None = None,
     ):
         self.cfg, self.layers, self.embed, self.final_norm, self.lm_head = cfg, layers, embed, final_norm, lm_head
         self.pool, self.kernels, self.tap_layers = pool, kernels, tap_layers
         self.context_proj = context_proj  # the drafter's (fc [H, F*H], hidden_norm [H]): context rows in segment 0
         # the feature store's rows [slots, F*H] (spec_decode/feature_store.py): the target's segments write their
         # taps there at the rows' slots; the drafter's segment 0 gathers its context rows from it
-        self.feature_store: torch.Tensor | None = None
+        self.feature_store = feature_store
         half = cfg.head_dim // 2
         self.cos_sin = torch.cat([rope.cos[:, :half], rope.sin[:, :half]], dim=-1).float().contiguous()
 

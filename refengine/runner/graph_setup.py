@@ -52,8 +52,8 @@ def build_target_graphs(
         pool,
         _kernels(config, target.dtype, target.device),
         tap_layers,
+        feature_store=feature_store,
     )
-    stack.feature_store = feature_store
     make = _attention_factory(config, pool, target.cfg)
     kw = dict(
         mode=config.graph_mode_name,
@@ -88,8 +88,8 @@ def build_draft_graph(
         pool,
         _kernels(config, drafter.fc.dtype, drafter.fc.device),
         context_proj=(drafter.fc, drafter.hidden_norm),
+        feature_store=feature_store,
     )
-    stack.feature_store = feature_store
     return GraphRunner(
         stack,
         _attention_factory(config, pool, m),

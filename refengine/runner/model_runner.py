@@ -106,7 +106,7 @@ class ModelRunner:
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         if capture and self.proposer is not None:
-            self._stage(steps, lens, whole_step)
+            self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
@@ -116,15 +116,17 @@ class ModelRunner:
             row += n
         return out
 
-    def _stage(self, steps: list[StepRow], lens: list[int], whole_step: bool) -> None:
+    def _stage(self, spans: list[Span], whole_step: bool, capture: list[bool] | None = None) -> None:
         """Tell the proposer which rows of this step have features in the store (held until the commit):
-        `whole_step`, a decode plan's one row per request, in one call."""
+        `whole_step`, a decode plan's one row per request, in one call; else each request's rows (only those
+        of `capture`, when given)."""
         assert self.proposer is not None
         if whole_step:
-            self.proposer.stage_step([s.req_id for s in steps], [s.start for s in steps])
-        else:
-            for s, n in zip(steps, lens):
-                self.proposer.stage_features(s.req_id, s.start, n)
+            self.proposer.stage_step([r for r, _, _ in spans], [start for _, start, _ in spans])
+            return
+        for i, (req_id, start, n) in enumerate(spans):
+            if capture is None or capture[i]:
+                self.proposer.stage_features(req_id, start, n)
 
     def _batch(self, spans: list[Span]) -> AttnBatch:
         dev = self.target.device
@@ -196,12 +198,7 @@ class ModelRunner:
         if feats is not None and self.proposer is not None:
             if self.stack is None and self.store is not None:  # the segmented stack wrote them itself
                 self.store.write(batch.slots, feats)
-            if whole_step:
-                self.proposer.stage_step([r for r, _, _ in spans], [s for _, s, _ in spans])
-            else:
-                for i, (req_id, start, n) in enumerate(spans):
-                    if capture[i]:
-                        self.proposer.stage_features(req_id, start, n)
+            self._stage(spans, whole_step, capture)
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
         argmax, top_ids, top_lp = read_logits(self.target, hidden[rows], max(topk_k, default=0))
         out_argmax, out_topk, r = [], [], 0

@@ -223,7 +223,9 @@ class DFlashLane:
 
     def _project(self, chunk: list[tuple[int, int, int]]) -> None:
         store = self._features()
-        feats = store.rows.index_select(0, torch.cat([store.slots(r, p, e) for r, p, e in chunk]))  # [R, F*H]
+        # one host-to-device copy per index tensor (per request, each pageable copy would wait for the device)
+        sources = torch.cat([store.pool.slots(r, p, e) for r, p, e in chunk]).to(store.device)
+        feats = store.rows.index_select(0, sources)  # [R, F*H]
         positions = torch.cat([torch.arange(p, e) for _, p, e in chunk]).to(feats.device)
         slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in chunk]).to(feats.device)
         m = self.drafter.mcfg
