@@ -22,6 +22,7 @@ from refengine.parallel import TensorParallelGroup, shard_target
 from refengine.plan import Plan, validate_result
 from refengine.request import FinishReason, Request, SamplingParams, SpecStats
 from refengine.runner.capture import Capturer
+from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
 from refengine.runner.graphs import GraphRunner
 from refengine.runner.logits import TopK
@@ -164,6 +165,9 @@ class Engine:
             self.proposer.graph = build_draft_graph(
                 self.proposer.drafter, self.proposer.pool, self.config, capturer, store
             )
+            if self.store is not None:
+                dummy = self.store.pool.dummy_blocks[0] * self.store.pool.page_size
+                self.proposer.catch_up_graphs = CatchUpGraphs(self.proposer.graph.stack, capturer, dummy)
         return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span, store)
 
     def capture_graphs(self) -> int:

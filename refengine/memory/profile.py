@@ -85,7 +85,8 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
     dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
-    The drafter graph's temporaries are the lane's batch scratch, already in the DFlash reservation."""
+    The drafter graph's temporaries are the lane's batch scratch, and its catch-up graphs' (buffers and
+    temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation."""
     from refengine.runner.graphs import batch_buckets, row_caps
 
     c, b = target.cfg, target.dtype.itemsize

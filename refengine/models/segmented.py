@@ -179,7 +179,7 @@ class SegmentedStack:
         eps, n = self.cfg.rms_norm_eps, len(self.layers)
         if i == 0:
             if st.context is not None:
-                self._project_context(st.context)
+                self.project_context(st.context)
             st.residual.copy_(self.embed[st.ids])
             self.kernels.rmsnorm(st.residual, self.layers[0].w.input_norm, eps, out=st.hidden)
         else:
@@ -208,7 +208,7 @@ class SegmentedStack:
             attend(i, st.q, st.attn_out)
         self.segment(n, st, head=False)
 
-    def _project_context(self, ctx: ContextInputs) -> None:
+    def project_context(self, ctx: ContextInputs) -> None:
         """Context rows -> every layer's K/V in the pool (the drafter's context_kv, fused)."""
         assert self.context_proj is not None
         c, (fc, hidden_norm) = self.cfg, self.context_proj

@@ -14,6 +14,7 @@ from refengine.models.qwen3 import Qwen3Model
 from refengine.models.segmented import SegmentedStack, StepState
 from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
+from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.spec_decode.feature_store import FeatureStore
@@ -59,17 +60,17 @@ class ModelRunner:
         runner = self.graphs.get("verify")
         return runner.executed_rows(n, rows) if runner is not None and runner.bucket_for(n) is not None else rows
 
-    def _graph_runners(self) -> list[GraphRunner]:
-        """Every graph runner of the engine: the target's decode / verify and the drafter's."""
-        draft = getattr(self.proposer, "graph", None)
-        return list(self.graphs.values()) + ([draft] if draft is not None else [])
+    def _graph_runners(self) -> list[GraphRunner | CatchUpGraphs]:
+        """Every graph runner of the engine: the target's decode / verify, the drafter's and its catch-ups'."""
+        lane = [getattr(self.proposer, name, None) for name in ("graph", "catch_up_graphs")]
+        return list(self.graphs.values()) + [g for g in lane if g is not None]
 
     def graph_captures(self) -> int:
         """Graphs captured so far, the drafter's included (a step that captured one took longer than it costs)."""
         return sum(r.captures for r in self._graph_runners())
 
     def capture_graphs(self) -> int:
-        """Capture every graph shape now (decode, verify, draft); returns how many were new."""
+        """Capture every graph shape now (decode, verify, draft, catch-up); returns how many were new."""
         return sum(r.capture_all() for r in self._graph_runners())
 
     def batch_bucket(self, n: int) -> int:

@@ -24,6 +24,7 @@ from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
+from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import DraftItem
@@ -50,6 +51,7 @@ class DFlashLane:
         self._staged: dict[int, tuple[int, int]] = {}  # req -> (first position, rows) of this step
         self._staged_step: tuple[list[int], list[int]] | None = None  # a decode step's (stage_step)
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
+        self.catch_up_graphs: CatchUpGraphs | None = None  # with it: projections of pending rows, replayed
         self._sync_wait_s = 0.0
         self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (synchronised)
 
@@ -206,15 +208,15 @@ class DFlashLane:
         Rows go in chunks of at most FLUSH_ROWS so the transient (gathered features, fc output, fp32 norm,
         per-layer K/V) stays bounded when many long prompts were prefilled before the first draft."""
         chunk: list[tuple[int, int, int]] = []  # (req, first position, end)
-        rows = 0
+        rows, limit = 0, FLUSH_ROWS if self.catch_up_graphs is None else self.catch_up_graphs.max_rows
         for r in req_ids:
             c = self._ctx[r]
             pos, end = c.length, c.length + c.pending_rows
             while pos < end:
-                k = min(end - pos, FLUSH_ROWS - rows)
+                k = min(end - pos, limit - rows)
                 chunk.append((r, pos, pos + k))
                 pos, rows = pos + k, rows + k
-                if rows == FLUSH_ROWS:
+                if rows == limit:
                     self._project(chunk)
                     chunk, rows = [], 0
             c.length, c.pending_rows = end, 0
@@ -224,10 +226,14 @@ class DFlashLane:
     def _project(self, chunk: list[tuple[int, int, int]]) -> None:
         store = self._features()
         # one host-to-device copy per index tensor (per request, each pageable copy would wait for the device)
-        sources = torch.cat([store.pool.slots(r, p, e) for r, p, e in chunk]).to(store.device)
-        feats = store.rows.index_select(0, sources)  # [R, F*H]
-        positions = torch.cat([torch.arange(p, e) for _, p, e in chunk]).to(feats.device)
-        slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in chunk]).to(feats.device)
+        sources = torch.cat([store.pool.slots(r, p, e) for r, p, e in chunk])
+        positions = torch.cat([torch.arange(p, e) for _, p, e in chunk])
+        slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in chunk])
+        if self.catch_up_graphs is not None:
+            self.catch_up_graphs.project(sources, positions, slots)
+            return
+        feats = store.rows.index_select(0, sources.to(store.device))  # [R, F*H]
+        positions, slots = positions.to(feats.device), slots.to(feats.device)
         m = self.drafter.mcfg
         for li, (k, v) in enumerate(self.drafter.context_kv(feats, positions)):
             self.pool.k[li].view(-1, m.num_kv_heads, m.head_dim)[slots] = k
