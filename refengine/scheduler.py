@@ -178,14 +178,15 @@ class Scheduler(StepRecovery):
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            remaining = [r.remaining for r in spec]
+            remaining = [r.params.max_tokens - len(r.output_ids) for r in spec]  # Request.remaining, inlined
             if self.policy is not None:
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
+                # graphs captured so far: a step that captures one is no cost sample
+                self._captured = self._captures() if self._captures is not None else 0
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
-            spans = [min(s, left) for s, left in zip(spans, remaining)]  # never verify past the budget
-            if self.policy is not None:  # graphs captured so far: a step that captures one is no cost sample
-                self._captured = self._captures() if self._captures is not None else 0
+            if max(spans) > 1:  # (a plain choice, the common one in a plain stretch, skips this pass)
+                spans = [min(s, left) for s, left in zip(spans, remaining)]  # never verify past the budget
             if self.policy is not None and max(spans) == 1:
                 # plain decode for every speculating request: the decode step, with their tap-layer features
                 # captured so the drafter context stays aligned (nothing to reserve, draft or accept)
@@ -228,12 +229,12 @@ class Scheduler(StepRecovery):
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # speculating requests given span 1: each row's features become context
                 self.active_proposer.commit_step([r.request_id for r in plan.requests])
+                for req in plan.requests:
+                    req.spec.record_plain()
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
-                if plan.capture:
-                    req.spec.record(1, 1)
-                self._append(req, [result.argmax[i][-1]])
+                self._append(req, (result.argmax[i][-1],))
             if plan.capture:
                 self._observe_costs(plan)
         else:
@@ -282,13 +283,14 @@ class Scheduler(StepRecovery):
                 self._drop(req)
                 self._done.append(req)
         seq_len = self.pool.seq_len
+        context_rows = self.proposer.context_rows if self.proposer is not None else None
         for req in plan.requests:
             if req.finished:
                 continue
             kv = seq_len[req.request_id]
-            if kv != req.committed_len:
+            if kv != len(req.prompt_ids) + len(req.output_ids) - 1:  # req.committed_len, inlined (a hot loop)
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
-            if self.eligible(req) and self.active_proposer.context_rows(req.request_id) != kv:
+            if context_rows is not None and self.eligible(req) and context_rows(req.request_id) != kv:
                 raise AlignmentError(
                     f"request {req.request_id}: drafter context rows "
                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"

@@ -49,14 +49,13 @@ class _Fit:
         return sum(t * v for t, v in zip(self.theta, x))
 
     def update(self, x: list[float], y: float) -> None:
-        n = len(x)
-        for i in range(n):
-            self.sxy[i] = FORGET * self.sxy[i] + x[i] * y
-            for j in range(n):
-                self.sxx[i][j] = FORGET * self.sxx[i][j] + x[i] * x[j]
+        f = FORGET
+        self.sxy = [f * s + xi * y for s, xi in zip(self.sxy, x)]
+        self.sxx = [[f * s + xi * xj for s, xj in zip(row, x)] for row, xi in zip(self.sxx, x)]
         self.updates += 1
         if self.updates > SOLVE_EVERY and self.updates % SOLVE_EVERY:
             return  # the sums are current; re-solving every few samples is plenty (and saves host time)
+        n = len(x)
         a = [[self.sxx[i][j] + (self.precision0[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         b = [self.sxy[i] + self.precision0[i] * self.theta0[i] for i in range(n)]
         self.theta = _solve(a, b)
