@@ -17,7 +17,7 @@ from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
 from refengine.spec_decode.acceptance_estimate import geometric_table, table_from_rates
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel
 
@@ -186,6 +186,32 @@ def test_new_requests_start_from_the_population_rate():
     for rid in range(40):
         pol.observe_acceptance(rid, B, B - 1)  # now it accepts everything
     assert pol.expected(2000)[B] > 4 and pol.choose([2000], [128]) == [B]
+
+
+def test_a_zero_accept_first_probe_is_repeated_only_while_evidence_is_thin():
+    # a fresh policy's first request whose first block accepts nothing (the trained tiny pair at c1: its first
+    # block after the prompt accepts 0, later ones 15) gets one more full block; once the population has tested
+    # position 1 THIN_EVIDENCE times, a new request's zero-accept probe is final (one probe each, as before)
+    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
+    pol._next_explore = 10**9  # no exploration step
+    assert pol.choose([0], [500]) == [B]  # first-step probe
+    pol.observe_acceptance(0, B, 0)
+    assert pol.choose([0], [499]) == [B], "thin evidence: the zero-accept probe is not repeated"
+    pol.observe_acceptance(0, B, 0)
+    assert pol.choose([0], [498]) == [1], "a second zero-accept probe must settle the request"
+    seconds = 0
+    for rid in range(1, 12):  # more requests: probed twice while the evidence is thin, once after
+        assert pol.choose([rid], [500]) == [B]
+        pol.observe_acceptance(rid, B, 0)
+        thin = pol.estimates.tested[0] < THIN_EVIDENCE
+        got = pol.choose([rid], [499])
+        assert got == ([B] if thin else [1]), f"request {rid}: {got} with position 1 tested {pol.estimates.tested[0]}"
+        if thin:
+            seconds += 1
+            pol.observe_acceptance(rid, B, 0)
+    assert 0 < seconds < 11 and pol.estimates.tested[0] >= THIN_EVIDENCE, (seconds, pol.estimates.tested[0])
+    assert pol.probes == 2 + 11 + seconds
 
 
 def test_near_break_even_keeps_plain():

@@ -61,6 +61,10 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
         pol.observe_acceptance(r, B, 0)
     pol.observe_step(4, 4 * B, 4, 3e-3, 6e-3, 2e-3)  # a prompt catch-up: not learnt (rows unknown)
     assert pol.catch_ups == 0 and pol.cost.catch_up_s(100) == 0.0, "a catch-up priced before one was seen"
+    assert pol.choose(ids, [900] * 4) == [B] * 4  # thin population evidence: a zero-accept probe is repeated once
+    for r in ids:
+        pol.observe_acceptance(r, B, 0)
+    pol.observe_step(4, 4 * B, 4, 3e-3, 6e-3)
     draft_fit = list(pol.cost.draft.theta)
 
     def truth(rows: int) -> float:  # mostly fixed (launches, syncs), a little per row
