@@ -44,8 +44,9 @@ class ModelRunner:
         self.stack: SegmentedStack | None = decode.stack if decode is not None else None
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
         # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
-        # catch_up_s: the part of draft_s spent projecting pending drafter context eagerly (after a prompt or a
-        # plain stretch; the adaptive policy learns it apart from the draft cost, as a switch's cost)
+        # catch_up_s: the part of draft_s spent projecting more pending drafter context than the draft graph
+        # takes (after a prompt or a plain stretch: catch-up graph replays; the adaptive policy learns it apart
+        # from the draft cost, as a switch's cost)
         self.timings = {
             "prefill_s": 0.0,
             "decode_s": 0.0,

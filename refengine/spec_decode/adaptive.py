@@ -19,7 +19,7 @@ Model (all online, with priors):
       sum_i E_i(s_i) / (D(#requests with s_i > 1) + V(N, R(sum_i s_i)))
   wins only if it beats plain decode's N / P(N) by SPEC_MARGIN: near break-even plain is kept (a wrong spec
   choice loses more than a wrong plain one). An O(N) upper bound skips the search when plain clearly wins,
-  and a plain decision is reused until an observation arrives or the batch changes. A draft's eager
+  and a plain decision is reused until an observation arrives or the batch changes. A draft's
   catch-up of context carried past a plain stretch is not in D: it is learnt as C(rows), a fixed cost plus a
   cost per carried row, and charged to the explorations that would cause one (observe_step).
 - exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
@@ -133,7 +133,7 @@ class AdaptivePolicy:
 
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
         """Context rows the drafting requests of `spans` carry since their last draft (one a plain step), when
-        one carries more than a block (the lane then projects them all eagerly, a catch-up); 0 otherwise, or
+        one carries more than a block (the lane then projects them all before the draft, a catch-up); 0 otherwise, or
         when a drafting request never drafted (its prompt rows are not known here: its first-step probe)."""
         gaps = []
         for r, sp in zip(req_ids, spans):

@@ -206,7 +206,8 @@ class DFlashLane:
         """Project pending rows (dense ops over many rows at once) into each request's context pages.
 
         Rows go in chunks of at most FLUSH_ROWS so the transient (gathered features, fc output, fp32 norm,
-        per-layer K/V) stays bounded when many long prompts were prefilled before the first draft."""
+        per-layer K/V) stays bounded when many long prompts were prefilled before the first draft; with catch-up
+        graphs (a graph mode), in chunks of their largest size, each one replay (runner/catch_up_graphs.py)."""
         chunk: list[tuple[int, int, int]] = []  # (req, first position, end)
         rows, limit = 0, FLUSH_ROWS if self.catch_up_graphs is None else self.catch_up_graphs.max_rows
         for r in req_ids:
@@ -261,7 +262,7 @@ class DFlashLane:
         steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
         if self.graph is not None and self.graph.fits(steps):
             # Pending context of at most B rows per request (what a verify commits) is gathered from the store
-            # and projected inside the graph; more (a prompt, a plain stretch) is flushed eagerly first.
+            # and projected inside the graph; more (a prompt, a plain stretch) is caught up first (_catch_up).
             if any(self._ctx[it.req_id].pending_rows > b for it in items):
                 self._catch_up([it.req_id for it in items])
             pending = [self._take_pending(it.req_id) for it in items]
@@ -275,9 +276,9 @@ class DFlashLane:
         return [d[: span - 1] for d, (_, _, _, span) in zip(drafts, items)]
 
     def _catch_up(self, req_ids: list[int]) -> None:
-        """The graph path's eager flush of more pending rows than the draft graph projects (a prompt, a plain
-        stretch), timed apart (synchronised; take_catch_up): a switch's cost, not a steady draft's. On the
-        eager path every draft flushes its rows eagerly, and that is its cost."""
+        """The graph path's flush of more pending rows than the draft graph projects (a prompt, a plain
+        stretch; replays of the catch-up graphs), timed apart (synchronised; take_catch_up): a switch's cost,
+        not a steady draft's. On the eager path every draft flushes its rows first, and that is its cost."""
         cuda = self.drafter.fc.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.drafter.fc.device)

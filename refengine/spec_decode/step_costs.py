@@ -6,10 +6,11 @@ with a prior.
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
-- C(R) = c0 + c1*R: a catch-up, the eager projection of R context rows carried past a plain stretch (0 until
-  one was seen). Mostly fixed (H200, Qwen3-4B shapes: 7.7-8.8 ms however few rows at c1..c16, 1.75 ms +
-  11 us a row at c32; docs/PERF.md run 40); priced per row alone it looked 27-42 us a row from short
-  stretches and overpriced long ones.
+- C(R) = c0 + c1*R: a catch-up, the projection of R context rows carried past a plain stretch (0 until one
+  was seen). Mostly fixed: run eagerly it cost 7.7-8.8 ms however few rows at c1..c16 (H200, Qwen3-4B
+  shapes, run 40); replayed from catch-up graphs (runner/catch_up_graphs.py) 0.44-0.55 ms for 101-228 rows
+  and 2.1-3.3 ms for 3232-4128 (run 43). Priced per row alone it looked 27-42 us a row from short
+  stretches and overpriced long ones (docs/PERF.md).
 P is its own curve because the decode graph is not the verify graph at one row per request. Pure Python.
 """
 
