@@ -13,12 +13,19 @@ each shrunk toward the level above (so a new request starts at what the workload
 the workload rarely reaches falls back to the pooled rate):
 - pooled rate A = (accepted + 0.5) / (accepted + rejected + 1) over every observation (POP_DECAY each): the
   geometric estimate, the prior of every position;
-- population h_k = (S_k + POSITION_WEIGHT * h_(k-1)) / (T_k + POSITION_WEIGHT), h_0 = A, counts decayed by
-  POP_DECAY per observation testing position k. The prior of a position is the one before it, not A: spans
-  chosen short (3 at tau 3) accept everything they test, so A climbs toward 1, and positions past the first
-  rejection are never tested; with A as their prior E(8) came out 3.85 against the true 3;
+- first blocks' population f_k = (S_k + POSITION_WEIGHT * f_(k-1)) / (T_k + POSITION_WEIGHT), f_0 = A, over
+  each request's first drafting step, counts decayed by POP_DECAY per observation testing position k. The
+  prior of a position is the one before it, not A: spans chosen short (3 at tau 3) accept everything they
+  test, so A climbs toward 1, and positions past the first rejection are never tested; with A as their
+  prior E(8) came out 3.85 against the true 3;
+- later blocks' population h_k = (S'_k + FIRST_BLOCK_WEIGHT * f_k) / (T'_k + FIRST_BLOCK_WEIGHT) over every
+  other drafting step: with no later evidence it is the first blocks' rate. Apart because a drafter's first
+  block after the prompt can differ from the rest: the trained tiny pair's accepts 0-3 drafts where its
+  later blocks often accept all 15. Pooled, the first-step probes of every new request outvoted the few
+  later blocks the policy ever drafted, and it never drafted at c1 where fixed DFlash ran 3x faster (H200,
+  runs 43-44). A new request's table is the first blocks' (its next block is its first);
 - request h_ik = (s_ik + PRIOR_WEIGHT * h_k) / (t_ik + PRIOR_WEIGHT), decayed by DECAY per observation of
-  that request testing k.
+  that request testing k (its first block included).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ DECAY = 0.9  # per observation of a request testing a position
 POP_DECAY = 0.95  # per observation testing a position: the population follows the workload over ~20 of them
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
 POSITION_WEIGHT = 2.0  # pseudo-observations of the previous position's rate in a position's population rate
+FIRST_BLOCK_WEIGHT = 1.0  # pseudo-observations of the first blocks' rate in a later-block population rate
 
 
 def table_from_rates(rates: list[float]) -> list[float]:
@@ -51,24 +59,34 @@ class AcceptanceEstimates:
     block_size: int
     requests: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict)  # req -> (accepted, tested)
     pooled: tuple[float, float] = (0.0, 0.0)  # every observation's (accepted drafts, rejections), decayed
-    accepted: list[float] = field(default_factory=list)  # population, per position 1..B-1
+    accepted: list[float] = field(default_factory=list)  # population, per position 1..B-1: first blocks
     tested: list[float] = field(default_factory=list)
+    later_accepted: list[float] = field(default_factory=list)  # the same, over every later block
+    later_tested: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = self.block_size - 1
         self.accepted, self.tested = [0.0] * n, [0.0] * n
+        self.later_accepted, self.later_tested = [0.0] * n, [0.0] * n
 
     def pooled_rate(self) -> float:
         s, f = self.pooled
         return (s + 0.5) / (s + f + 1.0)  # 0.5 before any evidence
 
-    def population_rates(self) -> list[float]:
-        """h_k for positions 1..B-1."""
+    def first_block_rates(self) -> list[float]:
+        """h_k for positions 1..B-1 of a request's first block."""
         prior, w, out = self.pooled_rate(), POSITION_WEIGHT, []
         for s, t in zip(self.accepted, self.tested):
             prior = (s + w * prior) / (t + w)
             out.append(prior)
         return out
+
+    def population_rates(self) -> list[float]:
+        """h_k for positions 1..B-1 of later blocks, each shrunk toward the first blocks' rate there."""
+        w = FIRST_BLOCK_WEIGHT
+        return [
+            (s + w * h) / (t + w) for s, t, h in zip(self.later_accepted, self.later_tested, self.first_block_rates())
+        ]
 
     def rates(self, req_id: int, population: list[float] | None = None) -> list[float]:
         """The request's h_ik for positions 1..B-1 (pass population_rates() to reuse it)."""
@@ -80,7 +98,8 @@ class AcceptanceEstimates:
         return [(s + w * h) / (t + w) for s, t, h in zip(own[0], own[1], pop)]
 
     def tables(self, req_ids: list[int]) -> list[list[float]]:
-        """E_i(s) for s = 0..B per request; requests with no evidence of their own share the population's."""
+        """E_i(s) for s = 0..B per request; a request with no evidence of its own (its next block is its first)
+        gets the first blocks' table."""
         pop = self.population_rates()
         shared: list[float] | None = None
         out = []
@@ -88,16 +107,18 @@ class AcceptanceEstimates:
             if r in self.requests:
                 out.append(table_from_rates(self.rates(r, pop)))
             else:
-                shared = shared or table_from_rates(pop)
+                shared = shared or table_from_rates(self.first_block_rates())
                 out.append(shared)
         return out
 
     def observe(self, req_id: int, span: int, accepted: int) -> None:
-        """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts."""
+        """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts (the request's first block
+        when it has no evidence yet)."""
         if span <= 1:
             return  # no drafts: nothing learnt
         tested = min(accepted + 1, span - 1)
         own = self.requests.get(req_id)
+        pop_s, pop_t = (self.later_accepted, self.later_tested) if own is not None else (self.accepted, self.tested)
         if own is None:
             n = self.block_size - 1
             own = self.requests[req_id] = ([0.0] * n, [0.0] * n)
@@ -105,8 +126,8 @@ class AcceptanceEstimates:
             hit = 1.0 if k < accepted else 0.0
             own[0][k] = DECAY * own[0][k] + hit
             own[1][k] = DECAY * own[1][k] + 1.0
-            self.accepted[k] = POP_DECAY * self.accepted[k] + hit
-            self.tested[k] = POP_DECAY * self.tested[k] + 1.0
+            pop_s[k] = POP_DECAY * pop_s[k] + hit
+            pop_t[k] = POP_DECAY * pop_t[k] + 1.0
         s, f = self.pooled
         self.pooled = (POP_DECAY * s + accepted, POP_DECAY * f + (1.0 if accepted < span - 1 else 0.0))
 
@@ -117,4 +138,5 @@ class AcceptanceEstimates:
         return {
             "pooled_acceptance_rate": round(self.pooled_rate(), 4),
             "position_acceptance_rates": [round(h, 3) for h in self.population_rates()],
+            "first_block_acceptance_rates": [round(h, 3) for h in self.first_block_rates()],
         }

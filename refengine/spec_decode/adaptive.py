@@ -5,10 +5,10 @@ step costs and per-request acceptance, and asks it for spans.
 Model (all online, with priors):
 - acceptance (refengine/spec_decode/acceptance_estimate.py): per request and draft position, the chance a
   draft is accepted given the earlier ones were, from decayed counts shrunk toward the population's rate at
-  that position (and that toward the previous position's, the first toward the pooled rate). So a new
-  request starts at what the workload has been
-  accepting (and its first-step probe adds its own), and E_i(S), the tokens a span S is expected to commit,
-  follows whatever shape acceptance has along the block (not only geometric).
+  that position (later blocks' and first blocks' apart, the later shrunk toward the first; a first block's
+  toward the previous position's, the first toward the pooled rate). So a new request starts at what the
+  workload's first blocks have been accepting (and its first-step probe adds its own), and E_i(S), the
+  tokens a span S is expected to commit, follows whatever shape acceptance has along the block.
 - cost (refengine/spec_decode/step_costs.py): V(N, R) for a verify of N requests computing R rows (R is what
   the runner computes, `executed_rows`: on the GPU the verify graph's shape, bucket x row cap; eager, the
   real rows), D(M) for a draft of M requests, P(N) for a step where every span is 1 (a plain decode step,

@@ -15,7 +15,7 @@ import pytest
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
-from refengine.spec_decode.acceptance_estimate import geometric_table, table_from_rates
+from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, geometric_table, table_from_rates
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
 from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
@@ -173,19 +173,37 @@ def test_spec_bound_is_an_upper_bound_on_every_span_choice():
             assert rate <= bound + 1e-9, (tables, remaining, spans, rate, bound)
 
 
-def test_new_requests_start_from_the_population_rate():
+def test_new_requests_start_from_the_first_blocks_population():
     pol = AdaptivePolicy(B, cost=CostModel.linear(10e-3, 2e-5, 1e-5, 3e-3, 1e-4))
     pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
     assert pol.expected(99) == geometric_table(0.5, B)  # no evidence anywhere yet
     for rid in range(40):
-        pol.observe_acceptance(rid, B, 0)  # the workload accepts nothing
+        pol.observe_acceptance(rid, B, 0)  # the workload's first blocks accept nothing
     assert pol.expected(1000)[B] < 1.05, pol.expected(1000)
     pol.steps = 10  # past the start-up explorations
     d = choose_spans([pol.expected(r) for r in range(1000, 1032)], [128] * 32, B, COST)
     assert d.spans == [1] * 32 and not d.searched, "plain must win by the bound alone, with no span search"
-    for rid in range(40):
-        pol.observe_acceptance(rid, B, B - 1)  # now it accepts everything
+    for rid in range(100, 140):
+        pol.observe_acceptance(rid, B, B - 1)  # now new requests' first blocks accept everything
     assert pol.expected(2000)[B] > 4 and pol.choose([2000], [128]) == [B]
+
+
+def test_later_blocks_are_learnt_apart_from_first_blocks():
+    # the trained tiny pair: a first block after the prompt that accepts nothing, later blocks that accept all
+    # (pooled, every request's first-step probe outvoted them and adaptive never drafted at c1 on the H200)
+    est = AcceptanceEstimates(B)
+    for rid in range(3):
+        est.observe(rid, B, 0)
+    assert est.population_rates() == est.first_block_rates(), "with no later blocks, their rate is the first's"
+    for rid in range(3, 40):
+        est.observe(rid, B, 0)  # its first block
+        est.observe(rid, B, B - 1)  # its second
+    first, later = (table_from_rates(r)[B] for r in (est.first_block_rates(), est.population_rates()))
+    assert first < 1.2 and later > 10, f"E(B): first blocks {first:.2f}, later blocks {later:.2f}"
+    assert est.tables([99])[0][B] == first, "a new request's next block is its first"
+    est.observe(99, B, 0)
+    own = est.tables([99])[0][B]
+    assert own > 0.5 * later, f"after a zero-accept first block E(B) = {own:.2f}, later blocks {later:.2f}"
 
 
 def test_a_zero_accept_first_probe_is_repeated_only_while_evidence_is_thin():
