@@ -19,7 +19,7 @@ from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, geome
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
 from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
-from refengine.spec_decode.step_costs import CostModel
+from refengine.spec_decode.step_costs import CostModel, _solve
 
 B = 16
 # A memory-bound GPU step: a verify of N requests and R rows costs 10 ms + 0.02 ms/request + 0.01 ms/row;
@@ -339,6 +339,19 @@ def test_cost_fit_does_not_wind_up_on_one_batch_size():
             for probe in (1, 8, 16, 32):
                 got, want = m.plain.predict([1.0, probe]), 3.9 + 0.03 * probe
                 assert abs(got - want) < 0.3 * want, f"after N={n}: P({probe}) = {got:.2f} ms, truth {want:.2f}"
+
+
+def test_cost_fit_solver_solves_small_spd_systems():
+    # the fits' normal equations: 2 x 2 (plain, draft, catch-up: closed form) and 3 x 3 (verify: elimination)
+    rng = random.Random(5)
+    for n in (2, 3):
+        for _ in range(500):
+            rows = [[rng.uniform(-3, 3) for _ in range(n)] for _ in range(6)]
+            a = [[sum(r[i] * r[j] for r in rows) + (0.01 if i == j else 0.0) for j in range(n)] for i in range(n)]
+            b = [rng.uniform(-5, 5) for _ in range(n)]
+            x = _solve(a, b)
+            residual = max(abs(sum(a[i][j] * x[j] for j in range(n)) - b[i]) for i in range(n))
+            assert residual < 1e-9 * (1 + max(map(abs, b))), f"{n} x {n}: residual {residual:.3g} for a={a}, b={b}"
 
 
 def test_measured_shapes_override_the_fit():
