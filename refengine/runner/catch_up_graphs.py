@@ -22,14 +22,16 @@ from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.models.segmented import ContextInputs, SegmentedStack
 from refengine.runner.capture import Capturer
 
-CATCH_UP_ROWS = (64, 256, 1024)  # captured row counts (a 1024-row replay: ~0.25 ms of GPU work at 4B shapes)
+CATCH_UP_ROWS = (64, 256, 1024)  # captured row counts (run 43, 4B shapes: a 1024-row catch-up 0.87 ms, syncs in)
 
 
 class CatchUpGraphs:
     """`project(sources, positions, slots)`: rows gathered from the feature store at `sources` (target KV
     slots), projected at `positions`, their K/V written into the drafter pool at `slots`."""
 
-    def __init__(self, stack: SegmentedStack, capturer: Capturer, store_dummy_slot: int, sizes=CATCH_UP_ROWS):
+    def __init__(
+        self, stack: SegmentedStack, capturer: Capturer, store_dummy_slot: int, sizes: tuple[int, ...] = CATCH_UP_ROWS
+    ):
         if stack.context_proj is None or stack.feature_store is None:
             raise ValueError("catch-up graphs need the drafter stack's context projection and feature store")
         if list(sizes) != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > DRAFT_CONTEXT_FLUSH_ROWS:
