@@ -1,6 +1,8 @@
-"""The adaptive span policy (refengine.spec_decode.adaptive) on synthetic cost / acceptance inputs, and the
-benchmark acceptance profiles (refengine.spec_decode.acceptance_profile): parsing, means, reproducibility,
-and that EngineConfig refuses a profile (bench-only).
+"""The adaptive span policy (refengine.spec_decode.adaptive) on synthetic cost / acceptance inputs (span
+choice, the acceptance estimates with first and later blocks apart, the probes, the cost fits and their
+solver, and a simulation of waves against plain and fixed spans), and the benchmark acceptance profiles
+(refengine.spec_decode.acceptance_profile): parsing, means, reproducibility, and that EngineConfig refuses a
+profile (bench-only).
 
 Run: python -m pytest tests/unit/test_adaptive.py -q
 """

@@ -1,11 +1,12 @@
-"""Catch-up flushes in the adaptive policy's costs: the runner's `catch_up_s` (the lane's eager projection of
-more pending context rows than the draft graph takes, after a prompt or a plain stretch) reaches the policy
-apart from the draft time; the draft curve leaves it out, a catch-up cost C(rows) = fixed + per row is learnt
-from it (priced per row alone, the H200's mostly fixed catch-up cost looked 27-42 us a row), and an
-exploration that would cause one is charged it. The lane side (graph path, CUDA) is
-tests/gpu/test_gpu_catch_up.py. In simulation, with catch-ups costing 8 us a row, adaptive reaches 1.070 of
-the better of plain and fixed spans at acceptance 0.6, c8 and 0.984 at 0.85, c32, against 0.805 and 0.763
-with the catch-ups inside the draft curve (drafting looked dear).
+"""Catch-up flushes in the adaptive policy's costs: the runner's `catch_up_s` (the lane's projection of more
+pending context rows than the draft graph takes, after a prompt or a plain stretch: catch-up graph replays)
+reaches the policy apart from the draft time; the draft curve leaves it out, a catch-up cost C(rows) = fixed +
+per row is learnt from it (priced per row alone, the H200's mostly fixed catch-up cost looked 27-42 us a row),
+and an exploration that would cause one is charged it. The lane side (graph path, CUDA) is
+tests/gpu/test_gpu_catch_up.py; the catch-up graphs themselves, tests/unit/test_catch_up_graphs.py. In
+simulation, with catch-ups costing 8 us a row, adaptive reaches 1.046 of the better of plain and fixed spans
+at acceptance 0.6, c8 and 0.984 at 0.85, c32 (tenth session), against 0.805 and 0.763 with the catch-ups
+inside the draft curve (drafting looked dear).
 
 Run: python -m pytest tests/unit/test_catch_up_cost.py -q
 """
