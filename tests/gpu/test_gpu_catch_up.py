@@ -1,5 +1,5 @@
 """The lane's catch-up flush on the graph path (CUDA, marked `gpu`): after a plain stretch of an adaptive
-engine, the first draft projects the stretch's pending context rows eagerly before its graph; that time is
+engine, the first draft projects the stretch's pending context rows before its graph (catch-up graphs); that time is
 recorded apart (runner.timings["catch_up_s"]) and handed to the adaptive policy apart from the draft time, while
 steady drafts (at most B pending rows, projected inside the draft graph) record none.
 
