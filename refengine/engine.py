@@ -166,8 +166,9 @@ class Engine:
                 self.proposer.drafter, self.proposer.pool, self.config, capturer, store
             )
             if self.store is not None:
-                dummy = self.store.pool.dummy_blocks[0] * self.store.pool.page_size
-                self.proposer.catch_up_graphs = CatchUpGraphs(self.proposer.graph.stack, capturer, dummy)
+                self.proposer.catch_up_graphs = CatchUpGraphs(
+                    self.proposer.graph.stack, capturer, self.store.dummy_slot
+                )
         return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span, store)
 
     def capture_graphs(self) -> int:

@@ -92,15 +92,6 @@ class SpecStats:
         if span is not None:
             self.span_hist[span] += 1
 
-    def record_plain(self) -> None:
-        """record(1, 1): a span-1 step (adaptive decode), without record's generic path: at c32 it runs 32 times
-        a step, each step of a plain stretch."""
-        self.verify_steps += 1
-        self.committed_tokens += 1
-        self.accepted_hist[1] += 1
-        self.committed_per_step.append(1)
-        self.span_hist[1] += 1
-
     def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps
         self.committed_tokens += other.committed_tokens

@@ -178,7 +178,7 @@ class Scheduler(StepRecovery):
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            remaining = [r.params.max_tokens - len(r.output_ids) for r in spec]  # Request.remaining, inlined
+            remaining = [r.remaining for r in spec]
             if self.policy is not None:
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
                 # graphs captured so far: a step that captures one is no cost sample
@@ -230,7 +230,7 @@ class Scheduler(StepRecovery):
             if plan.capture:  # speculating requests given span 1: each row's features become context
                 self.active_proposer.commit_step([r.request_id for r in plan.requests])
                 for req in plan.requests:
-                    req.spec.record_plain()
+                    req.spec.record(1, 1)
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
@@ -288,7 +288,7 @@ class Scheduler(StepRecovery):
             if req.finished:
                 continue
             kv = seq_len[req.request_id]
-            if kv != len(req.prompt_ids) + len(req.output_ids) - 1:  # req.committed_len, inlined (a hot loop)
+            if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
             if context_rows is not None and self.eligible(req) and context_rows(req.request_id) != kv:
                 raise AlignmentError(

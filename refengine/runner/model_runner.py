@@ -184,7 +184,7 @@ class ModelRunner:
     ) -> tuple[list[list[int]], list[list[TopK]]]:
         """One target forward. score_rows[i]: which of request i's rows need logits (relative indices);
         capture[i]: stage request i's tap-layer features with the proposer (`whole_step`: a decode plan's
-        rows, one per request, all captured, staged as one tensor)."""
+        rows, one per request, all captured, staged in one call)."""
         batch = self._batch(spans)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.target.device)
         layers = self.proposer.capture_layers if self.proposer is not None and any(capture) else ()

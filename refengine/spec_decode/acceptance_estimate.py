@@ -81,12 +81,11 @@ class AcceptanceEstimates:
             out.append(prior)
         return out
 
-    def population_rates(self) -> list[float]:
-        """h_k for positions 1..B-1 of later blocks, each shrunk toward the first blocks' rate there."""
-        w = FIRST_BLOCK_WEIGHT
-        return [
-            (s + w * h) / (t + w) for s, t, h in zip(self.later_accepted, self.later_tested, self.first_block_rates())
-        ]
+    def population_rates(self, first: list[float] | None = None) -> list[float]:
+        """h_k for positions 1..B-1 of later blocks, each shrunk toward the first blocks' rate there (`first`:
+        first_block_rates(), when the caller has it)."""
+        w, first = FIRST_BLOCK_WEIGHT, self.first_block_rates() if first is None else first
+        return [(s + w * h) / (t + w) for s, t, h in zip(self.later_accepted, self.later_tested, first)]
 
     def rates(self, req_id: int, population: list[float] | None = None) -> list[float]:
         """The request's h_ik for positions 1..B-1 (pass population_rates() to reuse it)."""
@@ -100,14 +99,15 @@ class AcceptanceEstimates:
     def tables(self, req_ids: list[int]) -> list[list[float]]:
         """E_i(s) for s = 0..B per request; a request with no evidence of its own (its next block is its first)
         gets the first blocks' table."""
-        pop = self.population_rates()
+        first = self.first_block_rates()
+        pop = self.population_rates(first)
         shared: list[float] | None = None
         out = []
         for r in req_ids:
             if r in self.requests:
                 out.append(table_from_rates(self.rates(r, pop)))
             else:
-                shared = shared or table_from_rates(self.first_block_rates())
+                shared = shared or table_from_rates(first)
                 out.append(shared)
         return out
 

@@ -58,7 +58,7 @@ from refengine.spec_decode.step_costs import CostModel
 PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
 EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
-THIN_EVIDENCE = 8.0  # while the population has tested position 1 fewer times (decayed), a first-step probe that
+THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (decayed), a first-step probe that
 # accepted nothing is repeated once, unbudgeted like it (see the module docstring)
 
 
@@ -188,7 +188,7 @@ class AdaptivePolicy:
                 self._next_explore = self.steps + self.interval
                 self.explored += 1
                 return trial
-        thin = self.estimates.tested[0] < THIN_EVIDENCE  # the population has tested position 1 only a few times
+        thin = self.estimates.tested[0] < THIN_EVIDENCE  # first blocks have tested position 1 only a few times
         new = [
             i
             for i, r in enumerate(req_ids)

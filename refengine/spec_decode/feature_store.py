@@ -5,7 +5,7 @@ rows' KV slots, exactly where it writes their K/V: the decode and verify CUDA gr
 index_copy at the persistent slot buffer, so a plain decode step copies nothing afterwards), eager forwards
 right after the forward. The drafter reads a request's committed rows by slot when it drafts: the draft
 graph gathers at most B of them inside the graph, a longer stretch (a prompt, many plain steps) is gathered
-and projected eagerly in chunks (DFlashLane._flush_pending).
+and projected in chunks before it (DFlashLane._flush_pending: catch-up graph replays in a graph mode).
 
 Why by slot: a row is valid exactly as long as the K/V at that slot is, with no bookkeeping of its own. Rows
 of rejected drafts are written and never committed; the next forward at those positions overwrites them,
@@ -30,6 +30,11 @@ class FeatureStore:
     @property
     def device(self) -> torch.device:
         return self.rows.device
+
+    @property
+    def dummy_slot(self) -> int:
+        """The row padding rows read (the target pool's first dummy page)."""
+        return self.pool.dummy_blocks[0] * self.pool.page_size
 
     def slots(self, req_id: int, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end) of a request (its target KV slots), on the store's device."""

@@ -314,7 +314,7 @@ class DFlashLane:
         store = self._features()
         pos = [0] * ctx.positions.shape[0]
         slots = [self.pool.dummy_blocks[0] * page] * len(pos)
-        sources = [store.pool.dummy_blocks[0] * store.pool.page_size] * len(pos)
+        sources = [store.dummy_slot] * len(pos)
         for i, (it, n) in enumerate(zip(items, pending)):
             if n:
                 first = it.start - n

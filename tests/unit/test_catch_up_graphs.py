@@ -30,8 +30,9 @@ def _lane(pair, rows: list[int], sizes: tuple[int, ...] | None):
     if sizes is None:
         lane.catch_up_graphs = None
     else:
-        dummy = engine.store.pool.dummy_blocks[0] * engine.store.pool.page_size
-        lane.catch_up_graphs = CatchUpGraphs(lane.graph.stack, Capturer(torch.device("cpu")), dummy, sizes)
+        lane.catch_up_graphs = CatchUpGraphs(
+            lane.graph.stack, Capturer(torch.device("cpu")), engine.store.dummy_slot, sizes
+        )
     g = torch.Generator().manual_seed(0)
     for r, n in zip(REQS, rows):
         lane.start_request(r, 512)
