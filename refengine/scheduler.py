@@ -62,6 +62,7 @@ class Scheduler(StepRecovery):
         self._seen: tuple[float, ...] = (0.0,) * 4  # draft_s, verify_s, decode_s, catch_up_s at the last step
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured when the current verify plan was made
+        self._cost_sample: tuple | None = None  # the last step's, until feed_cost_sample hands it to the policy
 
     def bind_timings(
         self,
@@ -256,10 +257,12 @@ class Scheduler(StepRecovery):
             self.pool.revert_schedule(plan.reservation)
             self._observe_costs(plan)
         self._retire_and_check(plan)
+        if not self.running and not self.waiting:
+            self.feed_cost_sample()  # idle: no next step will feed it
 
     def _observe_costs(self, plan: VerifyPlan | DecodePlan) -> None:
-        """Feed the adaptive policy this step's shape and the runner's synchronised draft / verify (or, all
-        spans 1, decode) time."""
+        """Take this step's cost sample for the adaptive policy: its shape and the runner's synchronised draft /
+        verify (or, all spans 1, decode) time. Only taken here: feed_cost_sample hands it over later."""
         if self._timings is None or self.policy is None:
             return
         now = tuple(self._timings.get(k, 0.0) for k in _COST_TIMINGS)
@@ -270,10 +273,21 @@ class Scheduler(StepRecovery):
             return
         n = len(plan.requests)
         if isinstance(plan, DecodePlan):
-            self.policy.observe_step(n, n, 0, 0.0, decode_s)
+            self._cost_sample = (n, n, 0, 0.0, decode_s, 0.0, 0)
         else:
             spans = plan.spans
-            self.policy.observe_step(n, sum(spans), sum(s > 1 for s in spans), draft_s, verify_s, catch_up_s)
+            drafted = sum(s > 1 for s in spans)
+            self._cost_sample = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows)
+
+    def feed_cost_sample(self) -> None:
+        """Hand the last step's cost sample to the adaptive policy (its cost fits and tables: ~15-20 us of host
+        time a step on the H200's host, a sixth of adaptive's extra host time at c1). The runner calls this
+        while the next step's graph runs (between its launch and the one host sync), where the host would only
+        wait; the engine calls it after a step without that wait (eager, prefill). So the policy chooses each
+        step with the samples of the steps before the last (one step late; the moving averages do not notice)."""
+        sample, self._cost_sample = self._cost_sample, None
+        if sample is not None and self.policy is not None:
+            self.policy.observe_step(*sample)
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

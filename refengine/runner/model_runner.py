@@ -5,6 +5,7 @@ proposer is told which rows of speculating requests it may use once the schedule
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -55,6 +56,9 @@ class ModelRunner:
             "sync_wait_s": 0.0,
             "catch_up_s": 0.0,
         }
+        # host work that needs no result of the step (the scheduler's last cost sample): done between a graph's
+        # launch and the step's one host sync, where the host would only wait
+        self.while_waiting: Callable[[], None] | None = None
 
     def verify_rows(self, n: int, rows: int) -> int:
         """Rows a verify of n requests and `rows` real rows computes: its graph shape, or the rows (eager)."""
@@ -109,6 +113,8 @@ class ModelRunner:
         total = sum(lens)
         if capture and self.proposer is not None:
             self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
+        if self.while_waiting is not None:
+            self.while_waiting()
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t

@@ -247,18 +247,33 @@ class AdaptivePolicy:
             t, tokens = self.cost.plain_s(n), float(n)
         return max(0.0, t - tokens / d.predicted_tok_per_s)
 
+    @property
+    def carried_rows(self) -> int:
+        """Context rows the last choice's drafting requests carried past a plain stretch (0: no catch-up)."""
+        return self._catch_up_rows
+
     def observe_step(
-        self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float, catch_up_s: float = 0.0
+        self,
+        n: int,
+        rows: int,
+        drafted: int,
+        draft_s: float,
+        verify_s: float,
+        catch_up_s: float = 0.0,
+        carried_rows: int | None = None,
     ) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings;
+        `carried_rows`: its choice's `carried_rows` (default: the last choice's; the scheduler passes the
+        step's own, as it feeds a sample after the next choice);
         `catch_up_s`: the part of the draft that projected context carried past a plain stretch (or a prompt),
         learnt as C(rows) (charged to the explorations that would cause one) and kept out of the draft curve: a
         switch's cost, not a steady draft's. Left in the draft curve, the trained tiny pair's drafts looked 4x
         dearer on the H200 (2.0 vs 0.5 ms) and adaptive never drafted; left out of everything, exploration
         after plain stretches was underpriced (with that, Qwen3-4B tau 1 c32 measured 0.73 of plain in one H200
         run, against 0.97 in the run before; docs/PERF.md)."""
-        if catch_up_s > 0 and self._catch_up_rows:
-            self.cost.observe_catch_up(self._catch_up_rows, catch_up_s)
+        carried = self._catch_up_rows if carried_rows is None else carried_rows
+        if catch_up_s > 0 and carried:
+            self.cost.observe_catch_up(carried, catch_up_s)
             self.catch_ups += 1
         executed = rows if not drafted and rows == n else self.rows(n, rows)
         self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s)
