@@ -280,8 +280,9 @@ class Scheduler(StepRecovery):
             self._cost_sample = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows)
 
     def feed_cost_sample(self) -> None:
-        """Hand the last step's cost sample to the adaptive policy (its cost fits and tables: ~15-20 us of host
-        time a step on the H200's host, a sixth of adaptive's extra host time at c1). The runner calls this
+        """Hand the last step's cost sample to the adaptive policy (the update of its cost fits and tables: ~9 us
+        a step on the 2-core dev CPU; with it, taking and feeding a sample cost 18 us a step at c1 on the H200's
+        host, taking it alone 8 us; docs/PERF.md, runs 48 and 51). The runner calls this
         while the next step's graph runs (between its launch and the one host sync), where the host would only
         wait; the engine calls it after a step without that wait (eager, prefill). So the policy chooses each
         step with the samples of the steps before the last (one step late; the moving averages do not notice)."""
