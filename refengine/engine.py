@@ -329,6 +329,8 @@ class Engine:
         return [ScoredSequence(list(req.prompt_ids) + cont, list(req.topk)) for req, cont in runs]
 
     def spec_stats(self, requests: list[Request] | None = None) -> SpecStats:
+        """The merged SpecStats of `requests` (default: every finished request)."""
+        self.scheduler.close_stretch()  # running requests' stats lag by an open plain stretch until it closes
         total = SpecStats()
         for r in requests if requests is not None else self.finished:
             total.merge(r.spec)

@@ -70,7 +70,9 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Acceptance statistics: tau = committed tokens per verify step."""
+    """Acceptance statistics: tau = committed tokens per verify step (adaptive mode's plain steps count as
+    span-1 steps of one token; while a plain stretch is open, a running request's are written when it closes:
+    refengine/spec_decode/plain_stretch.py)."""
 
     verify_steps: int = 0
     committed_tokens: int = 0
@@ -84,13 +86,14 @@ class SpecStats:
     def tau(self) -> float:
         return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
 
-    def record(self, committed: int, span: int | None = None) -> None:
-        self.verify_steps += 1
-        self.committed_tokens += committed
-        self.accepted_hist[committed] += 1
-        self.committed_per_step.append(committed)
+    def record(self, committed: int, span: int | None = None, times: int = 1) -> None:
+        """`times` steps that each committed `committed` tokens (verify span `span`)."""
+        self.verify_steps += times
+        self.committed_tokens += committed * times
+        self.accepted_hist[committed] += times
+        self.committed_per_step += [committed] * times
         if span is not None:
-            self.span_hist[span] += 1
+            self.span_hist[span] += times
 
     def merge(self, other: SpecStats) -> None:
         self.verify_steps += other.verify_steps

@@ -26,6 +26,7 @@ from refengine.scheduler_recovery import StepRecovery
 from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.plain_stretch import PlainStretch
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
@@ -63,6 +64,7 @@ class Scheduler(StepRecovery):
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured when the current verify plan was made
         self._cost_sample: tuple | None = None  # the last step's, until feed_cost_sample hands it to the policy
+        self._stretch: PlainStretch | None = None  # adaptive: the open plain stretch (spec_decode/plain_stretch.py)
 
     def bind_timings(
         self,
@@ -128,6 +130,7 @@ class Scheduler(StepRecovery):
     def _drop(self, req: Request) -> None:
         """Take a request out of the queues and free everything held for it (KV blocks, lifetime promise,
         drafter context, staged features). Idempotent; the caller sets its finish reason."""
+        self.close_stretch()  # the batch changes: the stretch's steps go into its requests' stats first
         self.waiting = deque(r for r in self.waiting if r is not req)
         self.running = [r for r in self.running if r is not req]
         self.pool.release(req.request_id)
@@ -175,6 +178,14 @@ class Scheduler(StepRecovery):
                 return None
             self.plan_counts["prefill"] += 1
             return plan
+        stretch, policy = self._stretch, self.policy
+        if stretch is not None:
+            if policy is not None and stretch.holds(self.running) and policy.reuse_plain(stretch.min_remaining):
+                for r in stretch.requests:  # the same plain step again: no per-request lists, no choice
+                    self.pool.extend(r.request_id, 1)
+                self.plan_counts["decode"] += 1
+                return DecodePlan(stretch.requests, capture=True)
+            self.close_stretch()
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
@@ -194,6 +205,8 @@ class Scheduler(StepRecovery):
                 for r in spec:
                     self.pool.extend(r.request_id, 1)
                 self.plan_counts["decode"] += 1
+                if not plain:  # every running request: a plain stretch opens (spec_decode/plain_stretch.py)
+                    self._stretch = PlainStretch(spec, self.running, len(self.running), min(remaining))
                 return DecodePlan(spec, capture=True)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
@@ -230,8 +243,12 @@ class Scheduler(StepRecovery):
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # speculating requests given span 1: each row's features become context
                 self.active_proposer.commit_step([r.request_id for r in plan.requests])
-                for req in plan.requests:
-                    req.spec.record(1, 1)
+                stretch = self._stretch
+                if stretch is not None and plan.requests is stretch.requests:
+                    stretch.count_step()  # written into their stats when the stretch closes
+                else:
+                    for req in plan.requests:
+                        req.spec.record(1, 1)
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
@@ -289,6 +306,12 @@ class Scheduler(StepRecovery):
         sample, self._cost_sample = self._cost_sample, None
         if sample is not None and self.policy is not None:
             self.policy.observe_step(*sample)
+
+    def close_stretch(self) -> None:
+        """Write the open plain stretch's steps into its requests' SpecStats and end it (a no-op without one)."""
+        stretch, self._stretch = self._stretch, None
+        if stretch is not None:
+            stretch.close()
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

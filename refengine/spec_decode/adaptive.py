@@ -131,6 +131,20 @@ class AdaptivePolicy:
                     self.last_drafted[r] = self.steps
         return spans
 
+    def reuse_plain(self, min_remaining: int) -> bool:
+        """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
+        each committed exactly one token since (a plain stretch, refengine/scheduler.py): True, counting the
+        step as choose would, when its plain decision holds (nothing learnt, no exploration due, every budget
+        still at least a block, as at that choice); False: call choose."""
+        key = self._cache_key
+        if not (self._settled and key is not None and key[0] == self._version):
+            return False
+        if min(min_remaining, self.block_size) != key[2] or self.steps + 1 >= self._next_explore:
+            return False
+        self.steps += 1
+        self.caps[1] += 1
+        return True
+
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
         """Context rows the drafting requests of `spans` carry since their last draft (one a plain step), when
         one carries more than a block (the lane then projects them all before the draft, a catch-up); 0 otherwise, or

@@ -1,0 +1,128 @@
+"""Adaptive mode's plain stretches (refengine/spec_decode/plain_stretch.py): while the policy's plain decision
+holds for an unchanged batch, the scheduler plans the same plain step again without asking the policy, and
+counts the steps instead of recording each in every request's SpecStats. Checks that:
+- AdaptivePolicy.reuse_plain answers True exactly when choose would reuse its plain decision at O(1);
+- every request's stats equal, in order, the tokens each of its steps committed (logged around the commit),
+  with drafting steps between stretches, requests joining and leaving mid-stretch, and an abort mid-stretch;
+- the stretch is used (most plain steps skip the choice).
+
+Run: python -m pytest tests/unit/test_plain_stretch.py -q
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from refengine import SamplingParams
+from refengine.plan import PrefillPlan
+from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.step_costs import CostModel
+from tests.adapter import cpu_engine
+
+B = 16
+
+
+def test_reuse_plain_answers_as_choose_would():
+    pol = AdaptivePolicy(B, cost=CostModel.linear(10e-3, 2e-5, 1e-5, 3e-3, 1e-4))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
+    for rid in range(40):
+        pol.observe_acceptance(rid, B, 0)  # the workload's first blocks accept nothing: plain wins
+    ids = [0, 1, 2]  # probed already (above), so not new
+    pol._next_explore = 100
+    assert pol.choose(ids, [80, 90, 70]) == [1, 1, 1]
+    steps = pol.steps
+    assert pol.reuse_plain(69) and pol.steps == steps + 1, "the plain decision holds one step on"
+    assert not pol.reuse_plain(B - 1), "a budget under a block changes the choice's key: choose must run"
+    pol._next_explore = pol.steps + 1
+    assert not pol.reuse_plain(60), "an exploration is due: choose must run"
+    pol._next_explore = 100
+    assert pol.choose(ids, [60, 60, 60]) == [1, 1, 1] and pol.reuse_plain(59)
+    pol.observe_acceptance(1, B, 3)
+    assert not pol.reuse_plain(58), "something was learnt: the cached decision is stale"
+
+
+def _engine(trained_pair, drafting_steps: set[int], max_num_seqs: int = 4):
+    """An adaptive CPU engine whose decisions are forced: full spans at the decisions numbered in
+    `drafting_steps`, plain otherwise (reuse_plain declines exactly before a drafting decision)."""
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, max_num_seqs=max_num_seqs, speculation="adaptive")
+    policy = engine.scheduler.policy
+    assert policy is not None
+    decisions, reused = [0], [0]
+
+    def forced_choose(req_ids, remaining):
+        policy.steps += 1  # (what the real choice counts)
+        decisions[0] += 1
+        return [B if decisions[0] - 1 in drafting_steps else 1] * len(req_ids)
+
+    def forced_reuse(min_remaining):
+        if decisions[0] in drafting_steps or min_remaining < B:
+            return False
+        decisions[0] += 1
+        reused[0] += 1
+        return True
+
+    policy._choose = forced_choose  # type: ignore[method-assign]
+    policy.reuse_plain = forced_reuse  # type: ignore[method-assign]
+    return engine, reused
+
+
+def _log_commits(engine) -> dict[int, list[int]]:
+    """Per request, the tokens each of its decode / verify steps committed, read around Scheduler.commit."""
+    sched, log = engine.scheduler, {}
+    commit = sched.commit
+
+    def logged(plan, result):
+        before = {r.request_id: len(r.output_ids) for r in plan.requests}
+        commit(plan, result)
+        if not isinstance(plan, PrefillPlan):
+            for r in plan.requests:
+                log.setdefault(r.request_id, []).append(len(r.output_ids) - before[r.request_id])
+
+    sched.commit = logged  # type: ignore[method-assign]
+    return log
+
+
+def _check_stats(req, steps: list[int]) -> None:
+    s = req.spec
+    got = s.committed_per_step
+    first = next((i for i, (a, b) in enumerate(zip(got, steps)) if a != b), min(len(got), len(steps)))
+    assert got == steps, (
+        f"request {req.request_id}: {len(got)} steps in its stats, {len(steps)} committed; first divergent "
+        f"position {first}: stats {got[first : first + 8]}, steps {steps[first : first + 8]}"
+    )
+    assert s.verify_steps == len(steps) and s.committed_tokens == sum(steps) == len(req.output_ids) - 1
+    assert s.accepted_hist == Counter(steps) and sum(s.span_hist.values()) == len(steps)
+
+
+def test_stats_equal_each_steps_commits_in_order(trained_pair):
+    engine, reused = _engine(trained_pair, drafting_steps={0, 1, 30, 31, 55, 56, 80})
+    log = _log_commits(engine)
+    prompts = [list(range(5, 30)), list(range(40, 52)), [7, 9, 11, 13] * 5, list(range(60, 75))]
+    budgets = [70, 45, 90, 60]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in budgets]
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    for _ in range(20):
+        engine.step()
+    reqs += [engine.add_request(p, sp) for p, sp in zip(prompts[2:], params[2:])]  # join mid-stretch
+    while engine.has_work():
+        engine.step()
+    assert reused[0] > 30, f"only {reused[0]} steps reused the plain decision: no stretch was exercised"
+    ordered = [r for r in reqs if any(a > 1 for a in log[r.request_id][1:])]
+    assert ordered, f"no drafting step after the first committed more than one token: {log}"
+    for r in reqs:
+        _check_stats(r, log[r.request_id])
+
+
+def test_an_abort_mid_stretch_leaves_complete_stats(trained_pair):
+    engine, reused = _engine(trained_pair, drafting_steps={0})
+    log = _log_commits(engine)
+    a, b = (engine.add_request(p, SamplingParams(max_tokens=80, ignore_eos=True)) for p in ([5, 7, 9], [11, 12]))
+    for _ in range(25):
+        engine.step()
+    assert reused[0] > 10 and engine.scheduler._stretch is not None and engine.scheduler._stretch.steps > 0
+    assert engine.abort(a.request_id)
+    _check_stats(a, log[a.request_id])
+    assert engine.spec_stats([b]).verify_steps == len(log[b.request_id]), "a running request's stats on demand"
+    while engine.has_work():
+        engine.step()
+    _check_stats(b, log[b.request_id])
