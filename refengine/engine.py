@@ -136,8 +136,8 @@ class Engine:
             self.runner.graph_captures,
             buckets=(self.runner.batch_bucket, self.runner.draft_bucket),
         )
-        if self.scheduler.policy is not None:
-            self.runner.while_waiting = self.scheduler.feed_cost_sample
+        if self.scheduler.costs is not None:  # adaptive: its cost samples go over while graphs run
+            self.runner.while_waiting = self.scheduler.costs.feed
         self._ids = itertools.count()
         self.finished: list[Request] = []
 
@@ -241,7 +241,8 @@ class Engine:
         if plan is not None:
             try:
                 result = self.runner.execute(plan)
-                sched.feed_cost_sample()  # (a graphed step fed it while its graph ran: then a no-op)
+                if sched.costs is not None:
+                    sched.costs.feed()  # (a graphed step handed it over while its graph ran: then a no-op)
                 validate_result(
                     plan,
                     result,

@@ -26,11 +26,10 @@ from refengine.scheduler_recovery import StepRecovery
 from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.cost_samples import CostSamples
 from refengine.spec_decode.plain_stretch import PlainStretch
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
-
-_COST_TIMINGS = ("draft_s", "verify_s", "decode_s", "catch_up_s")  # runner timings the adaptive policy reads
 
 
 class Scheduler(StepRecovery):
@@ -59,11 +58,7 @@ class Scheduler(StepRecovery):
         self.policy = AdaptivePolicy(proposer.block_size) if speculation == "adaptive" and proposer else None
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
-        self._timings: dict[str, float] | None = None
-        self._seen: tuple[float, ...] = (0.0,) * 4  # draft_s, verify_s, decode_s, catch_up_s at the last step
-        self._captures: Callable[[], int] | None = None
-        self._captured = 0  # graphs captured when the current verify plan was made
-        self._cost_sample: tuple | None = None  # the last step's, until feed_cost_sample hands it to the policy
+        self.costs = CostSamples(self.policy) if self.policy is not None else None  # its step-cost samples
         self._stretch: PlainStretch | None = None  # adaptive: the open plain stretch (spec_decode/plain_stretch.py)
 
     def bind_timings(
@@ -77,10 +72,8 @@ class Scheduler(StepRecovery):
         `rows(n, real_rows)`: the rows a verify computes (graph shapes); `captures()`: graphs captured so far
         (a step that captured one is not a cost sample); `buckets`: the batch shapes a target step / a draft of n
         requests runs (the cost table's keys)."""
-        self._timings = timings
-        self._seen = tuple(timings.get(k, 0.0) for k in _COST_TIMINGS)
-        self._captures = captures
-        if self.policy is not None:
+        if self.policy is not None and self.costs is not None:
+            self.costs.bind(timings, captures)
             self.policy.bind_shapes(rows, buckets)
 
     # ---- admission ---------------------------------------------------------------------------------------
@@ -193,8 +186,8 @@ class Scheduler(StepRecovery):
             remaining = [r.remaining for r in spec]
             if self.policy is not None:
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
-                # graphs captured so far: a step that captures one is no cost sample
-                self._captured = self._captures() if self._captures is not None else 0
+                if self.costs is not None:
+                    self.costs.mark_plan()
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
             if max(spans) > 1:  # (a plain choice, the common one in a plain stretch, skips this pass)
@@ -253,8 +246,8 @@ class Scheduler(StepRecovery):
                 if result.topk:
                     req.topk.extend(result.topk[i])
                 self._append(req, (result.argmax[i][-1],))
-            if plan.capture:
-                self._observe_costs(plan)
+            if plan.capture and self.costs is not None:
+                self.costs.take(plan)
         else:
             ignore = [r.params.ignore_eos for r in plan.requests]
             if self.acceptance_override is None:
@@ -272,40 +265,11 @@ class Scheduler(StepRecovery):
                     self.policy.observe_acceptance(req_id, span, vr.accepted)
                 self._append(req, vr.new_tokens)
             self.pool.revert_schedule(plan.reservation)
-            self._observe_costs(plan)
+            if self.costs is not None:
+                self.costs.take(plan)
         self._retire_and_check(plan)
-        if not self.running and not self.waiting:
-            self.feed_cost_sample()  # idle: no next step will feed it
-
-    def _observe_costs(self, plan: VerifyPlan | DecodePlan) -> None:
-        """Take this step's cost sample for the adaptive policy: its shape and the runner's synchronised draft /
-        verify (or, all spans 1, decode) time. Only taken here: feed_cost_sample hands it over later."""
-        if self._timings is None or self.policy is None:
-            return
-        now = tuple(self._timings.get(k, 0.0) for k in _COST_TIMINGS)
-        draft_s, verify_s, decode_s, catch_up_s = (a - b for a, b in zip(now, self._seen))
-        self._seen = now
-        captured = self._captures() if self._captures is not None else 0
-        if captured != self._captured:  # a capture's time is not a step's cost
-            return
-        n = len(plan.requests)
-        if isinstance(plan, DecodePlan):
-            self._cost_sample = (n, n, 0, 0.0, decode_s, 0.0, 0)
-        else:
-            spans = plan.spans
-            drafted = sum(s > 1 for s in spans)
-            self._cost_sample = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows)
-
-    def feed_cost_sample(self) -> None:
-        """Hand the last step's cost sample to the adaptive policy (the update of its cost fits and tables: ~9 us
-        a step on the 2-core dev CPU; with it, taking and feeding a sample cost 18 us a step at c1 on the H200's
-        host, taking it alone 8 us; docs/PERF.md, runs 48 and 51). The runner calls this
-        while the next step's graph runs (between its launch and the one host sync), where the host would only
-        wait; the engine calls it after a step without that wait (eager, prefill). So the policy chooses each
-        step with the samples of the steps before the last (one step late; the moving averages do not notice)."""
-        sample, self._cost_sample = self._cost_sample, None
-        if sample is not None and self.policy is not None:
-            self.policy.observe_step(*sample)
+        if self.costs is not None and not self.running and not self.waiting:
+            self.costs.feed()  # idle: no next step will hand the sample over
 
     def close_stretch(self) -> None:
         """Write the open plain stretch's steps into its requests' SpecStats and end it (a no-op without one)."""

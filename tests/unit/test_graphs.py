@@ -148,10 +148,15 @@ def test_steps_that_capture_a_graph_are_not_cost_samples(trained_pair):
         policy = engine.scheduler.policy
         assert policy is not None
         seeded = policy.cost.verify.updates + policy.cost.plain.updates  # the timed replays of capture_graphs
+        before = engine.runner.graph_captures()
         greedy(engine, [[5, 7, 9]], 30)
         fits = policy.cost.verify.updates + policy.cost.plain.updates - seeded
         steps = engine.scheduler.plan_counts["verify"] + engine.scheduler.plan_counts["decode"]
-        assert (fits == steps) if warm else (0 < fits < steps), f"warm={warm}: {fits} cost samples, {steps} steps"
+        captured = engine.runner.graph_captures() - before
+        # cold: only the steps that captured a graph are skipped (at most one a captured shape), not the steps
+        # after them (a plain stretch plans without the scheduler's per-plan capture count)
+        ok = (fits == steps) if warm else (0 < steps - fits <= captured)
+        assert ok, f"warm={warm}: {fits} cost samples, {steps} steps, {captured} graphs captured during the run"
 
 
 def test_timing_the_shapes_touches_no_request(trained_pair):

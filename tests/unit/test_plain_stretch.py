@@ -41,10 +41,12 @@ def test_reuse_plain_answers_as_choose_would():
     assert not pol.reuse_plain(58), "something was learnt: the cached decision is stale"
 
 
-def _engine(trained_pair, drafting_steps: set[int], max_num_seqs: int = 4):
+def _engine(trained_pair, drafting_steps: set[int], max_num_seqs: int = 4, **kw):
     """An adaptive CPU engine whose decisions are forced: full spans at the decisions numbered in
     `drafting_steps`, plain otherwise (reuse_plain declines exactly before a drafting decision)."""
-    engine = cpu_engine(trained_pair.target, trained_pair.draft, max_num_seqs=max_num_seqs, speculation="adaptive")
+    engine = cpu_engine(
+        trained_pair.target, trained_pair.draft, max_num_seqs=max_num_seqs, speculation="adaptive", **kw
+    )
     policy = engine.scheduler.policy
     assert policy is not None
     decisions, reused = [0], [0]
@@ -126,3 +128,18 @@ def test_an_abort_mid_stretch_leaves_complete_stats(trained_pair):
     while engine.has_work():
         engine.step()
     _check_stats(b, log[b.request_id])
+
+
+def test_steps_after_a_capture_are_cost_samples_again(trained_pair):
+    # cold graphs: the stretch's first step captures the decode graph (no cost sample), and the steps after it,
+    # planned without the scheduler's per-plan capture count, must be samples again
+    engine, reused = _engine(trained_pair, drafting_steps={0}, max_num_seqs=2, graph_mode="piecewise")
+    policy = engine.scheduler.policy
+    before = engine.runner.graph_captures()
+    plain_fits = policy.cost.plain.updates
+    engine.generate([[5, 7, 9]], SamplingParams(max_tokens=60, ignore_eos=True))
+    decodes = engine.scheduler.plan_counts["decode"]
+    samples = policy.cost.plain.updates - plain_fits
+    captured = engine.runner.graph_captures() - before
+    assert reused[0] > 20 and captured > 0, (reused[0], captured)
+    assert decodes - samples <= captured, f"{decodes} plain steps, {samples} cost samples, {captured} captures"

@@ -1,0 +1,69 @@
+"""The adaptive policy's cost samples: each decode / verify step's shape and the runner's synchronised times.
+
+A sample is taken at the step's commit and handed to the policy later: while the next step's graph runs (the
+runner's `while_waiting` hook, between that graph's launch and the step's one host sync, where the host only
+waits), after the next step's `execute` when it has no graph (a prefill, eager), or at once when the engine
+goes idle. So the policy chooses each step with the samples of the steps before the last (the moving averages
+do not notice the lag). Handing one over updates the cost fits and tables: ~9 us a step on the 2-core dev CPU;
+taking and feeding together cost 18 us a step at c1 on the H200's host, taking alone 8 us (docs/PERF.md, runs
+48 and 51). A step that captured a CUDA graph is no sample: its time is the capture's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from refengine.plan import DecodePlan, VerifyPlan
+from refengine.spec_decode.adaptive import AdaptivePolicy
+
+TIMINGS = ("draft_s", "verify_s", "decode_s", "catch_up_s")  # the runner's timings a sample reads
+
+
+class CostSamples:
+    def __init__(self, policy: AdaptivePolicy):
+        self.policy = policy
+        self._timings: dict[str, float] | None = None
+        self._seen: tuple[float, ...] = (0.0,) * len(TIMINGS)  # the timings at the last sample
+        self._captures: Callable[[], int] | None = None
+        self._captured = 0  # graphs captured as of the current plan
+        self._pending: tuple | None = None  # the last step's sample, until feed hands it over
+
+    def bind(self, timings: dict[str, float], captures: Callable[[], int] | None) -> None:
+        """The runner's cumulative synchronised timings, and its count of graphs captured so far."""
+        self._timings = timings
+        self._seen = tuple(timings.get(k, 0.0) for k in TIMINGS)
+        self._captures = captures
+
+    def _count(self) -> int:
+        return self._captures() if self._captures is not None else 0
+
+    def mark_plan(self) -> None:
+        """A plan is made: the graphs captured so far (a step that captures one is no sample)."""
+        self._captured = self._count()
+
+    def take(self, plan: VerifyPlan | DecodePlan) -> None:
+        """The committed step's sample: its shape, its draft / verify (or, all spans 1, decode) time, and the
+        context rows its own choice carried (its catch-up; the policy's next choice replaces them)."""
+        if self._timings is None:
+            return
+        now = tuple(self._timings.get(k, 0.0) for k in TIMINGS)
+        draft_s, verify_s, decode_s, catch_up_s = (a - b for a, b in zip(now, self._seen))
+        self._seen = now
+        captured = self._count()
+        # the count is also the next plan's: a plain stretch's plans do not mark theirs
+        captured_now, self._captured = captured != self._captured, captured
+        if captured_now:
+            return
+        n = len(plan.requests)
+        if isinstance(plan, DecodePlan):
+            self._pending = (n, n, 0, 0.0, decode_s, 0.0, 0)
+        else:
+            spans = plan.spans
+            drafted = sum(s > 1 for s in spans)
+            self._pending = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows)
+
+    def feed(self) -> None:
+        """Hand the pending sample (if any) to the policy."""
+        sample, self._pending = self._pending, None
+        if sample is not None:
+            self.policy.observe_step(*sample)
