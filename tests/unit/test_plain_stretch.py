@@ -4,7 +4,9 @@ counts the steps instead of recording each in every request's SpecStats. Checks 
 - AdaptivePolicy.reuse_plain answers True exactly when choose would reuse its plain decision at O(1);
 - every request's stats equal, in order, the tokens each of its steps committed (logged around the commit),
   with drafting steps between stretches, requests joining and leaving mid-stretch, and an abort mid-stretch;
-- the stretch is used (most plain steps skip the choice).
+- the stretch is used (most plain steps skip the choice);
+- with graphs captured on first use, only the steps that captured one are no cost sample, not the rest of
+  the stretch after them (its plans do not count captures).
 
 Run: python -m pytest tests/unit/test_plain_stretch.py -q
 """
