@@ -1,5 +1,6 @@
 """The adaptive span policy (refengine.spec_decode.adaptive) on synthetic cost / acceptance inputs (span
-choice, the acceptance estimates with first and later blocks apart, the probes, the cost fits and their
+choice, the acceptance estimates with first and later blocks apart, the probes (span-2 first-step probes while
+position 1 rarely accepts), the cost fits and their
 solver, and a simulation of waves against plain and fixed spans), and the benchmark acceptance profiles
 (refengine.spec_decode.acceptance_profile): parsing, means, reproducibility, and that EngineConfig refuses a
 profile (bench-only).
@@ -19,7 +20,7 @@ from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, geometric_table, table_from_rates
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
+from refengine.spec_decode.adaptive import SHORT_PROBE_EVIDENCE, SHORT_PROBE_RATE, THIN_EVIDENCE, AdaptivePolicy
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel, _solve
 
@@ -407,3 +408,26 @@ def test_poor_first_blocks_do_not_lock_adaptive_into_plain():
         if i == 0:
             continue  # the settle stretch: short requests, learning
         assert a >= 0.94 * max(p, f), f"phase {phases[i]}: adaptive {a:.0f}, plain {p:.0f}, fixed {f:.0f} tok/s"
+
+
+def test_first_step_probes_are_short_while_position_one_rarely_accepts():
+    # a verify that accepts nothing tests only position 1, whatever its span: while the first blocks' position-1
+    # rate is low on ample evidence, a new request's first-step probe is a span-2 block (at c32 on Qwen3-4B
+    # shapes a 64-row verify instead of 512); thin evidence, or a position 1 that accepts, keeps full blocks
+    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
+    pol._next_explore = 10**9  # no exploration step
+    rid = 0
+    while pol.estimates.tested[0] < SHORT_PROBE_EVIDENCE:
+        assert pol.choose([rid], [500]) == [B], f"request {rid}: full-block probe while evidence is thin"
+        pol.observe_acceptance(rid, B, 0)
+        pol.release(rid)
+        rid += 1
+    assert pol.estimates.first_block_rates()[0] < SHORT_PROBE_RATE
+    assert pol.choose([rid], [500]) == [2], "ample evidence that position 1 fails: a span-2 probe"
+    pol.observe_acceptance(rid, 2, 1)  # it accepted: the request is probed on, with full blocks
+    assert pol.choose([rid], [498]) == [B], "a short probe that accepted is followed by a full block"
+    for other in range(rid + 1, rid + 4):
+        pol.observe_acceptance(other, B, 4)  # the workload turns: first blocks accept position 1 again
+    assert pol.estimates.first_block_rates()[0] >= SHORT_PROBE_RATE
+    assert pol.choose([rid + 10], [500]) == [B], "position 1 accepts again: full-block probes"
