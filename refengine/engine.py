@@ -169,7 +169,7 @@ class Engine:
             )
             if self.store is not None:
                 self.proposer.catch_up_graphs = CatchUpGraphs(
-                    self.proposer.graph.stack, capturer, self.store.dummy_slot
+                    self.proposer.graph.stack, capturer, self.store.pool.dummy_slot
                 )
         return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span, store)
 
@@ -331,7 +331,8 @@ class Engine:
 
     def spec_stats(self, requests: list[Request] | None = None) -> SpecStats:
         """The merged SpecStats of `requests` (default: every finished request)."""
-        self.scheduler.close_stretch()  # running requests' stats lag by an open plain stretch until it closes
+        if requests is not None:  # running requests' stats lag by an open plain stretch until it closes
+            self.scheduler.close_stretch()
         total = SpecStats()
         for r in requests if requests is not None else self.finished:
             total.merge(r.spec)

@@ -47,6 +47,11 @@ class KvPool:
 
     # ---- admission and plain growth -------------------------------------------------------------------
     @property
+    def dummy_slot(self) -> int:
+        """The first slot of the first dummy page: where a padding row's K/V (or feature row) goes."""
+        return self.dummy_blocks[0] * self.page_size
+
+    @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 

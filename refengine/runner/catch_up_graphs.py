@@ -41,7 +41,7 @@ class CatchUpGraphs:
             )
         self.stack, self.capturer, self.sizes = stack, capturer, tuple(sizes)
         pool = stack.pool
-        self.dummy_slot = pool.dummy_blocks[0] * pool.page_size  # padding rows' K/V land here
+        self.dummy_slot = pool.dummy_slot  # padding rows' K/V land here
         self.store_dummy_slot = store_dummy_slot  # and read this store row
         c, top = stack.cfg, self.sizes[-1]
         fc, dev = stack.context_proj[0], stack.context_proj[0].device

@@ -184,7 +184,7 @@ class GraphRunner:
         table). Inputs and written slots are reset to the dummy pages first, so no request's KV is touched."""
         out = {}
         pool = self.stack.pool
-        dummy = pool.dummy_blocks[0] * pool.page_size
+        dummy = pool.dummy_slot
         for (bucket, cap), g in self.graphs.items():
             for buf in (g.state.ids, g.state.positions):
                 buf.zero_()
@@ -224,9 +224,9 @@ class GraphRunner:
         rows = full if self.capture_shape_rule else rows_now  # the rule: capture the key's full shape
         buffers = self._state(bucket, full)
         pool = self.stack.pool
-        buffers.slots.fill_(pool.dummy_blocks[0] * pool.page_size)  # the warm-up run must not touch a real slot
+        buffers.slots.fill_(pool.dummy_slot)  # the warm-up run must not touch a real slot
         if buffers.context is not None:
-            buffers.context.slots.fill_(pool.dummy_blocks[0] * pool.page_size)
+            buffers.context.slots.fill_(pool.dummy_slot)
         g = StepGraph(self.stack, self._attention_for(bucket), bucket, cap, rows, self.causal, buffers)
         self._plan_dummy(g.attention, bucket, rows)  # warm-up and capture runs touch no request's KV
         g.pieces = self._capture(g)

@@ -143,9 +143,13 @@ class AdaptivePolicy:
         step as choose would, when its plain decision holds (nothing learnt, no exploration due, every budget
         still at least a block, as at that choice); False: call choose."""
         key = self._cache_key
-        if not (self._settled and key is not None and key[0] == self._version):
-            return False
-        if min(min_remaining, self.block_size) != key[2] or self.steps + 1 >= self._next_explore:
+        return key is not None and self._reuse((self._version, key[1], min(min_remaining, self.block_size)))
+
+    def _reuse(self, key: tuple) -> bool:
+        """The cached plain decision holds for `key` (nothing learnt, same requests and budgets past a block)
+        and it probed or explored nothing: no request became new or probe-worthy since (remaining budgets only
+        shrink), so plain again, at O(1), counted as a decision."""
+        if not (self._settled and self._cache_key == key and self.steps + 1 < self._next_explore):
             return False
         self.steps += 1
         self.caps[1] += 1
@@ -166,11 +170,7 @@ class AdaptivePolicy:
 
     def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
-        if self._settled and self._cache_key == key and self.steps + 1 < self._next_explore:
-            # the plain decision holds (nothing learnt, same requests) and it probed or explored nothing: no
-            # request became new or probe-worthy since (remaining budgets only shrink), so plain again, at O(1)
-            self.steps += 1
-            self.caps[1] += 1
+        if self._reuse(key):
             return [1] * len(req_ids)
         self._settled = False
         # the tables are a pure function of the observations (the version) and the requests: reused across the

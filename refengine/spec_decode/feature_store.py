@@ -31,11 +31,6 @@ class FeatureStore:
     def device(self) -> torch.device:
         return self.rows.device
 
-    @property
-    def dummy_slot(self) -> int:
-        """The row padding rows read (the target pool's first dummy page)."""
-        return self.pool.dummy_blocks[0] * self.pool.page_size
-
     def slots(self, req_id: int, start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end) of a request (its target KV slots), on the store's device."""
         return self.pool.slots(req_id, start, end).to(self.device, non_blocking=True)

@@ -309,12 +309,12 @@ class DFlashLane:
         """Request i's n pending rows go to context rows [i*B, i*B + n) of the graph: the graph gathers their
         features from the store (`sources`: target KV slots) and writes their K/V at `slots`; the other rows
         write the dummy page."""
-        ctx, b, page = graph.buffers.context, self.block_size, self.pool.page_size
+        ctx, b = graph.buffers.context, self.block_size
         assert ctx is not None
         store = self._features()
         pos = [0] * ctx.positions.shape[0]
-        slots = [self.pool.dummy_blocks[0] * page] * len(pos)
-        sources = [store.dummy_slot] * len(pos)
+        slots = [self.pool.dummy_slot] * len(pos)
+        sources = [store.pool.dummy_slot] * len(pos)
         for i, (it, n) in enumerate(zip(items, pending)):
             if n:
                 first = it.start - n

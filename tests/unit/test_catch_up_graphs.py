@@ -31,7 +31,7 @@ def _lane(pair, rows: list[int], sizes: tuple[int, ...] | None):
         lane.catch_up_graphs = None
     else:
         lane.catch_up_graphs = CatchUpGraphs(
-            lane.graph.stack, Capturer(torch.device("cpu")), engine.store.dummy_slot, sizes
+            lane.graph.stack, Capturer(torch.device("cpu")), engine.store.pool.dummy_slot, sizes
         )
     g = torch.Generator().manual_seed(0)
     for r, n in zip(REQS, rows):
