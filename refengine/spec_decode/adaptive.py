@@ -43,9 +43,15 @@ Model (all online, with priors):
   SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed), a first-step probe is a span-2 block: a verify
   that accepts nothing tests only position 1, whatever its span, so it loses information only when position 1
   accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
-  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). So where plain wins, adaptive loses one
-  (early on two) speculative steps per request plus about EXPLORE_BUDGET to plain decode (and the error of
-  its predictions).
+  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). Under that same condition only every
+  PROBE_SAMPLE-th new request is probed: the rest decode plainly from their first step (their table is the
+  first blocks') and are probed as soon as position 1 accepts again. A probe also pays the catch-up of its
+  prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain step, ~1.4% of a 128-token
+  wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so a workload turning good
+  is seen within that many. An exploration is a span-2 block too while later blocks, like the first ones,
+  fail position 1 on ample evidence. So where plain wins, adaptive loses a speculative step per
+  PROBE_SAMPLE requests (per request while evidence is thin or position 1 accepts) plus about
+  EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (de
 # accepted nothing is repeated once, unbudgeted like it (see the module docstring)
 SHORT_PROBE_RATE, SHORT_PROBE_EVIDENCE = 0.05, 16.0  # while first blocks accept position 1 at under this rate,
 # tested at least that often (decayed), a first-step probe is a span-2 block (see the module docstring)
+PROBE_SAMPLE = 8  # while first-step probes are short, only every PROBE_SAMPLE-th new request is probed
 
 
 @dataclass
@@ -87,6 +94,9 @@ class AdaptivePolicy:
     regret_s: float = 0.0  # predicted time exploration has cost so far (at most EXPLORE_BUDGET x elapsed_s)
     probes: int = 0  # new requests given a full block to measure their acceptance
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
+    unprobed: int = 0  # new requests passed over by the probe sample (PROBE_SAMPLE)
+    _passed: set[int] = field(default_factory=set)  # live requests passed over, probed once the sample lifts
+    _new_seen: int = 0  # new requests the sample has counted
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
@@ -118,7 +128,7 @@ class AdaptivePolicy:
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
-        self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
+        self.explored, self.searched, self.probes, self.unprobed, self.caps = 0, 0, 0, 0, Counter()
         self._decisions_before = self.steps
 
     def expected(self, req_id: int) -> Table:
@@ -194,8 +204,10 @@ class AdaptivePolicy:
             self.explored += 1  # calibration: the other kind's curve has never been measured
             return [1] * n if spec else [max(1, min(b, r)) for r in remaining]
         budget = None
+        short = self._short_probes()
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
-            trial = [1] * n if spec else [max(1, min(b, r)) for r in remaining]
+            span = 2 if short and self._later_position_one_fails() else b  # (short as a first-step probe is)
+            trial = [1] * n if spec else [max(1, min(span, r)) for r in remaining]
             budget = self._budget(remaining)
             regret = self._regret(trial, tables, d, req_ids)
             if regret > budget:
@@ -212,12 +224,16 @@ class AdaptivePolicy:
         new = [
             i
             for i, r in enumerate(req_ids)
-            if d.spans[i] < min(b, remaining[i]) and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
+            if d.spans[i] < min(b, remaining[i])
+            and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
+            and not (short and r in self._passed)
         ]
+        if short and new:
+            new = self._sample(req_ids, new)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few)
             spans = list(d.spans)
-            probe = 2 if self._short_probes() else b
+            probe = 2 if short else b
             for i in new:
                 spans[i] = min(probe, remaining[i])
             self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
@@ -251,6 +267,25 @@ class AdaptivePolicy:
         """First-step probes are span-2 blocks: the first blocks' position-1 rate is low, on ample evidence."""
         est = self.estimates
         return est.tested[0] >= SHORT_PROBE_EVIDENCE and est.first_block_rates()[0] < SHORT_PROBE_RATE
+
+    def _later_position_one_fails(self) -> bool:
+        """Later blocks, too, accept position 1 at under SHORT_PROBE_RATE on ample evidence."""
+        est = self.estimates
+        return est.later_tested[0] >= SHORT_PROBE_EVIDENCE and est.population_rates()[0] < SHORT_PROBE_RATE
+
+    def _sample(self, req_ids: list[int], new: list[int]) -> list[int]:
+        """The new requests (indices) probed while first-step probes are short: every PROBE_SAMPLE-th of them
+        in arrival order, the first one included; the others are passed over (plain from their first step,
+        at the first blocks' table) until the sample lifts, when they are probed like any new request."""
+        kept = []
+        for i in new:
+            if self._new_seen % PROBE_SAMPLE == 0:
+                kept.append(i)
+            else:
+                self._passed.add(req_ids[i])
+                self.unprobed += 1
+            self._new_seen += 1
+        return kept
 
     def _budget(self, remaining: list[int]) -> float:
         """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus
@@ -323,6 +358,7 @@ class AdaptivePolicy:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self.last_drafted.pop(req_id, None)
+        self._passed.discard(req_id)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
@@ -332,6 +368,7 @@ class AdaptivePolicy:
             "explored": self.explored,
             "searched": self.searched,
             "probes": self.probes,
+            "unprobed": self.unprobed,
             "explore_interval": self.interval,
             "explore_regret_ms": round(self.regret_s * 1e3, 3),
             "probe_regret_ms": round(self.probe_regret_s * 1e3, 3),

@@ -1,6 +1,6 @@
 """The adaptive span policy (refengine.spec_decode.adaptive) on synthetic cost / acceptance inputs (span
-choice, the acceptance estimates with first and later blocks apart, the probes (span-2 first-step probes while
-position 1 rarely accepts), the cost fits and their
+choice, the acceptance estimates with first and later blocks apart, the probes (span-2 first-step probes, a
+sample of new requests probed, and span-2 explorations while position 1 rarely accepts), the cost fits and their
 solver, and a simulation of waves against plain and fixed spans), and the benchmark acceptance profiles
 (refengine.spec_decode.acceptance_profile): parsing, means, reproducibility, and that EngineConfig refuses a
 profile (bench-only).
@@ -20,7 +20,13 @@ from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, geometric_table, table_from_rates
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import SHORT_PROBE_EVIDENCE, SHORT_PROBE_RATE, THIN_EVIDENCE, AdaptivePolicy
+from refengine.spec_decode.adaptive import (
+    PROBE_SAMPLE,
+    SHORT_PROBE_EVIDENCE,
+    SHORT_PROBE_RATE,
+    THIN_EVIDENCE,
+    AdaptivePolicy,
+)
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel, _solve
 
@@ -431,3 +437,64 @@ def test_first_step_probes_are_short_while_position_one_rarely_accepts():
         pol.observe_acceptance(other, B, 4)  # the workload turns: first blocks accept position 1 again
     assert pol.estimates.first_block_rates()[0] >= SHORT_PROBE_RATE
     assert pol.choose([rid + 10], [500]) == [B], "position 1 accepts again: full-block probes"
+
+
+def _policy_with_failing_first_blocks() -> tuple[AdaptivePolicy, int]:
+    """A policy (both cost curves measured, no exploration due) whose first blocks failed position 1 on ample
+    evidence: every new request was probed with a full block that accepted nothing. Returns it and the next id."""
+    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1
+    pol._next_explore = 10**9
+    rid = 0
+    while pol.estimates.tested[0] < SHORT_PROBE_EVIDENCE:
+        assert pol.choose([rid], [500]) == [B], f"request {rid}: thin evidence, every new request is probed"
+        pol.observe_acceptance(rid, B, 0)
+        pol.release(rid)
+        rid += 1
+    assert pol.unprobed == 0, "no request is passed over while the evidence is thin"
+    return pol, rid
+
+
+def test_only_a_sample_of_new_requests_is_probed_while_position_one_fails():
+    # each first-step probe costs a draft, a catch-up of the prompt and a verify (at c32 on Qwen3-4B shapes ~9 ms
+    # a wave against a 4.6 ms plain step, H200 run 53); while the first blocks fail position 1 on ample
+    # evidence, every PROBE_SAMPLE-th new request keeps the evidence fresh, and the others are probed as soon as
+    # position 1 accepts again
+    pol, rid = _policy_with_failing_first_blocks()
+    batch = list(range(rid, rid + 2 * PROBE_SAMPLE))
+    spans = pol.choose(batch, [500] * len(batch))
+    probed = [i for i, s in enumerate(spans) if s > 1]
+    assert probed == [0, PROBE_SAMPLE], f"spans {spans}: the first of every {PROBE_SAMPLE} new requests probed"
+    assert all(spans[i] == 2 for i in probed), f"spans {spans}: sampled probes are span-2 blocks"
+    assert pol.unprobed == 2 * PROBE_SAMPLE - 2, f"{pol.unprobed} passed over"
+    for i in probed:
+        pol.observe_acceptance(batch[i], 2, 0)
+    assert pol.choose(batch, [499] * len(batch)) == [1] * len(batch), "passed-over requests stay plain"
+    for other in range(10**6, 10**6 + 4):
+        pol.observe_acceptance(other, B, 4)  # the workload turns: first blocks accept position 1 again
+    assert pol.estimates.first_block_rates()[0] >= SHORT_PROBE_RATE
+    spans = pol.choose(batch, [498] * len(batch))
+    passed = [s for i, s in enumerate(spans) if i not in probed]
+    assert passed == [B] * len(passed), f"spans {spans}: the passed-over requests are probed at once, full blocks"
+
+
+def test_explorations_are_short_while_later_blocks_fail_position_one():
+    # an exploration drafts for every request; where later blocks, too, fail position 1 on ample evidence, a
+    # span-2 block tests what a full one would (at c32 on Qwen3-4B shapes a 64-row verify instead of 512)
+    pol, rid = _policy_with_failing_first_blocks()
+    batch = list(range(rid, rid + 4))
+    for r in batch:
+        pol.observe_acceptance(r, B, 0)  # their first blocks: what follows are later blocks
+    pol.elapsed_s = 100.0  # a budget that affords any exploration
+    later = 0
+    while pol.estimates.later_tested[0] < SHORT_PROBE_EVIDENCE:
+        pol._next_explore = pol.steps + 1
+        spans = pol.choose(batch, [400] * len(batch))
+        assert spans == [B] * len(batch), f"spans {spans}: full-block exploration while later evidence is thin"
+        for r in batch:
+            pol.observe_acceptance(r, B, 0)
+        later += 1
+    assert pol.estimates.population_rates()[0] < SHORT_PROBE_RATE
+    pol._next_explore = pol.steps + 1
+    spans = pol.choose(batch, [400] * len(batch))
+    assert spans == [2] * len(batch), f"spans {spans} after {later} full explorations: a span-2 exploration"
