@@ -73,6 +73,7 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         raise StepError(f"result has top-k for {len(result.topk)} requests, the plan has {n}")
     if isinstance(plan, VerifyPlan) and len(result.drafts) != n:
         raise StepError(f"result has drafts for {len(result.drafts)} requests, the verify plan has {n}")
+    every_row_captures = isinstance(plan, VerifyPlan) or (isinstance(plan, DecodePlan) and plan.capture)
     for i, req in enumerate(plan.requests):
         rows, rid = scored_rows(plan, i), req.request_id
         if len(result.argmax[i]) != rows:
@@ -87,10 +88,6 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"request {rid}: token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
-        captures = (
-            isinstance(plan, VerifyPlan)
-            or (isinstance(plan, DecodePlan) and plan.capture)
-            or (isinstance(plan, PrefillPlan) and plan.capture[i])
-        )
+        captures = every_row_captures or (isinstance(plan, PrefillPlan) and plan.capture[i])
         if captures and rid not in staged:
             raise StepError(f"request {rid}: no drafter features were staged for its {rows}-row step")

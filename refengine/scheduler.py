@@ -27,7 +27,7 @@ from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.cost_samples import CostSamples
-from refengine.spec_decode.plain_stretch import PlainStretch
+from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE, PlainStretch
 from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
@@ -234,10 +234,10 @@ class Scheduler(StepRecovery):
                     self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
+            stretch = self._stretch if self._stretch is not None and plan.requests is self._stretch.requests else None
             if plan.capture:  # speculating requests given span 1: each row's features become context
                 self.active_proposer.commit_step([r.request_id for r in plan.requests])
-                stretch = self._stretch
-                if stretch is not None and plan.requests is stretch.requests:
+                if stretch is not None:
                     stretch.count_step()  # written into their stats when the stretch closes
                 else:
                     for req in plan.requests:
@@ -247,7 +247,7 @@ class Scheduler(StepRecovery):
                     req.topk.extend(result.topk[i])
                 self._append(req, (result.argmax[i][-1],))
             if plan.capture and self.costs is not None:
-                self.costs.take(plan)
+                self.costs.take(plan, STRETCH_SAMPLE if stretch is not None else 1)
         else:
             ignore = [r.params.ignore_eos for r in plan.requests]
             if self.acceptance_override is None:
@@ -276,6 +276,8 @@ class Scheduler(StepRecovery):
         stretch, self._stretch = self._stretch, None
         if stretch is not None:
             stretch.close()
+            if self.costs is not None:
+                self.costs.flush_decodes(stretch.size)
 
     def _retire_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they
@@ -286,13 +288,18 @@ class Scheduler(StepRecovery):
                 self._done.append(req)
         seq_len = self.pool.seq_len
         context_rows = self.proposer.context_rows if self.proposer is not None else None
+        every_eligible = self._stretch is not None and plan.requests is self._stretch.requests  # (its requests are)
         for req in plan.requests:
             if req.finished:
                 continue
             kv = seq_len[req.request_id]
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
-            if context_rows is not None and self.eligible(req) and context_rows(req.request_id) != kv:
+            if (
+                context_rows is not None
+                and (every_eligible or self.eligible(req))
+                and context_rows(req.request_id) != kv
+            ):
                 raise AlignmentError(
                     f"request {req.request_id}: drafter context rows "
                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"

@@ -322,10 +322,12 @@ class AdaptivePolicy:
         verify_s: float,
         catch_up_s: float = 0.0,
         carried_rows: int | None = None,
+        steps: int = 1,
     ) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings;
         `carried_rows`: its choice's `carried_rows` (default: the last choice's; the scheduler passes the
-        step's own, as it feeds a sample after the next choice);
+        step's own, as it feeds a sample after the next choice); `steps`: how many such steps the sample's
+        times are the mean of (a plain stretch's);
         `catch_up_s`: the part of the draft that projected context carried past a plain stretch (or a prompt),
         learnt as C(rows) (charged to the explorations that would cause one) and kept out of the draft curve: a
         switch's cost, not a steady draft's. Left in the draft curve, the trained tiny pair's drafts looked 4x
@@ -338,7 +340,7 @@ class AdaptivePolicy:
             self.catch_ups += 1
         executed = rows if not drafted and rows == n else self.rows(n, rows)
         self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s)
-        self.elapsed_s += draft_s + verify_s
+        self.elapsed_s += (draft_s + verify_s) * steps
 
     def _probing(self, req_id: int) -> bool:
         """After its first-step probe, a request is probed again (a full block despite the choice) until

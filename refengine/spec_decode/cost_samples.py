@@ -26,7 +26,8 @@ class CostSamples:
         self._seen: tuple[float, ...] = (0.0,) * len(TIMINGS)  # the timings at the last sample
         self._captures: Callable[[], int] | None = None
         self._captured = 0  # graphs captured as of the current plan
-        self._pending: tuple | None = None  # the last step's sample, until feed hands it over
+        self._pending: list[tuple] = []  # samples taken since the last feed (one, or a stretch's last two)
+        self._decodes = 0  # decode steps since the last sample (a plain stretch samples every few)
 
     def bind(self, timings: dict[str, float], captures: Callable[[], int] | None) -> None:
         """The runner's cumulative synchronised timings, and its count of graphs captured so far."""
@@ -41,11 +42,30 @@ class CostSamples:
         """A plan is made: the graphs captured so far (a step that captures one is no sample)."""
         self._captured = self._count()
 
-    def take(self, plan: VerifyPlan | DecodePlan) -> None:
+    def take(self, plan: VerifyPlan | DecodePlan, every: int = 1) -> None:
         """The committed step's sample: its shape, its draft / verify (or, all spans 1, decode) time, and the
-        context rows its own choice carried (its catch-up; the policy's next choice replaces them)."""
+        context rows its own choice carried (its catch-up; the policy's next choice replaces them).
+        `every` (the decode steps of one plain stretch, all of one shape): one sample in that many, their mean
+        time counted as that many steps (taking one cost ~8 us of the H200's host time at c1, run 51); the
+        stretch's last ones are sampled by flush_decodes when it closes."""
         if self._timings is None:
             return
+        if isinstance(plan, DecodePlan):
+            self._decodes += 1
+            if self._decodes < every:
+                return
+        self._sample(plan, len(plan.requests))
+
+    def flush_decodes(self, n: int) -> None:
+        """A closing plain stretch of n requests: sample its decode steps not sampled yet (none: a no-op)."""
+        if self._timings is not None and self._decodes:
+            self._sample(None, n)
+
+    def _sample(self, plan: VerifyPlan | DecodePlan | None, n: int) -> None:
+        """The timings since the last sample: a verify `plan`'s, or (a DecodePlan or None) the mean of the
+        decode steps since (a verify's window may hold decode steps too: their time is not read)."""
+        assert self._timings is not None
+        steps, self._decodes = max(self._decodes, 1), 0
         now = tuple(self._timings.get(k, 0.0) for k in TIMINGS)
         draft_s, verify_s, decode_s, catch_up_s = (a - b for a, b in zip(now, self._seen))
         self._seen = now
@@ -54,16 +74,16 @@ class CostSamples:
         captured_now, self._captured = captured != self._captured, captured
         if captured_now:
             return
-        n = len(plan.requests)
-        if isinstance(plan, DecodePlan):
-            self._pending = (n, n, 0, 0.0, decode_s, 0.0, 0)
+        if not isinstance(plan, VerifyPlan):
+            self._pending.append((n, n, 0, 0.0, decode_s / steps, 0.0, 0, steps))
         else:
             spans = plan.spans
             drafted = sum(s > 1 for s in spans)
-            self._pending = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows)
+            self._pending.append((n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows, 1))
 
     def feed(self) -> None:
-        """Hand the pending sample (if any) to the policy."""
-        sample, self._pending = self._pending, None
-        if sample is not None:
-            self.policy.observe_step(*sample)
+        """Hand the pending samples (if any) to the policy."""
+        if self._pending:
+            samples, self._pending = self._pending, []
+            for sample in samples:
+                self.policy.observe_step(*sample)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from refengine.request import Request
 
+STRETCH_SAMPLE = 8  # a stretch's steps (one shape) give the policy a cost sample once in this many, their mean
+
 
 @dataclass
 class PlainStretch:

@@ -1,13 +1,16 @@
 """When the adaptive policy gets a step's cost sample: the scheduler takes it at the step's commit and hands it
 over while the next step's graph runs (the runner's `while_waiting`, between the launch and the one host sync),
 or after the next step's execute when that step has no graph (a prefill, eager), or at once when the engine
-goes idle. Checks that every step's sample arrives exactly once, in the window when the next step is graphed,
+goes idle. Checks that every step is sampled exactly once (a plain stretch's steps in windows of
+STRETCH_SAMPLE) and each sample arrives in the window of the step after its last when that step is graphed,
 and with its own step's carried context rows (the catch-up it paid), not the rows of the choice made since.
 
 Run: python -m pytest tests/unit/test_cost_sample_timing.py -q
 """
 
 from __future__ import annotations
+
+import itertools
 
 from tests.adapter import cpu_engine, greedy
 
@@ -35,23 +38,26 @@ def test_each_sample_arrives_once_while_the_next_graph_runs(trained_pair):
         window()
         where[0] = "outside"
 
-    fed: list[tuple[str, int]] = []  # (where, steps planned so far) per sample handed to the policy
+    fed: list[tuple[str, int, int]] = []  # (where, steps planned so far, steps sampled) per sample handed over
     observe = policy.observe_step
 
     def logged(*args):
         counts = engine.scheduler.plan_counts
-        fed.append((where[0], counts["verify"] + counts["decode"]))
+        fed.append((where[0], counts["verify"] + counts["decode"], args[7] if len(args) > 7 else 1))
         return observe(*args)
 
     runner.while_waiting = in_window
     policy.observe_step = logged  # type: ignore[method-assign]
     greedy(engine, [[5, 7, 9], [11, 12, 13, 14, 15]], [30, 23])
     steps = engine.scheduler.plan_counts["verify"] + engine.scheduler.plan_counts["decode"]
-    assert len(fed) == steps, f"{len(fed)} samples handed over for {steps} decode / verify steps"
-    # sample k is fed during step k + 1 (planned steps then k + 1); the last one when the engine went idle
-    assert [n for _, n in fed] == list(range(2, steps + 1)) + [steps], fed
-    outside = [i for i, (w, _) in enumerate(fed) if w != "window"]
-    assert outside == [steps - 1], f"samples fed outside a graph wait: {outside} of {steps} (want only the last)"
+    sampled = [k for _, _, k in fed]
+    assert sum(sampled) == steps, f"samples of {sampled} steps handed over for {steps} decode / verify steps"
+    assert max(sampled) > 1, f"samples of {sampled} steps: a plain stretch is sampled in windows"
+    # a sample taken at step t (its window's last) is fed during step t + 1; the last one when the engine went idle
+    taken = list(itertools.accumulate(sampled))
+    assert [n for _, n, _ in fed] == [t + 1 for t in taken[:-1]] + [steps], (fed, taken)
+    outside = [i for i, (w, _, _) in enumerate(fed) if w != "window"]
+    assert outside == [len(fed) - 1], f"samples fed outside a graph wait: {outside} of {len(fed)} (want the last)"
 
 
 def test_a_sample_carries_its_own_steps_catch_up_rows(trained_pair):

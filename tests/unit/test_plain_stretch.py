@@ -5,8 +5,9 @@ counts the steps instead of recording each in every request's SpecStats. Checks 
 - every request's stats equal, in order, the tokens each of its steps committed (logged around the commit),
   with drafting steps between stretches, requests joining and leaving mid-stretch, and an abort mid-stretch;
 - the stretch is used (most plain steps skip the choice);
-- with graphs captured on first use, only the steps that captured one are no cost sample, not the rest of
-  the stretch after them (its plans do not count captures).
+- a stretch's steps give the policy one cost sample in STRETCH_SAMPLE (their mean, counted as that many
+  steps), the last ones when it closes; with graphs captured on first use, only the samples whose steps
+  captured one are dropped, not the rest of the stretch after them (its plans do not count captures).
 
 Run: python -m pytest tests/unit/test_plain_stretch.py -q
 """
@@ -18,6 +19,7 @@ from collections import Counter
 from refengine import SamplingParams
 from refengine.plan import PrefillPlan
 from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE
 from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import cpu_engine
 
@@ -132,16 +134,27 @@ def test_an_abort_mid_stretch_leaves_complete_stats(trained_pair):
     _check_stats(b, log[b.request_id])
 
 
-def test_steps_after_a_capture_are_cost_samples_again(trained_pair):
-    # cold graphs: the stretch's first step captures the decode graph (no cost sample), and the steps after it,
-    # planned without the scheduler's per-plan capture count, must be samples again
+def test_stretch_steps_are_sampled_in_windows_and_again_after_a_capture(trained_pair):
+    # cold graphs: the stretch's first step captures the decode graph (its window is no cost sample), and the
+    # windows after it, planned without the scheduler's per-plan capture count, must be samples again
     engine, reused = _engine(trained_pair, drafting_steps={0}, max_num_seqs=2, graph_mode="piecewise")
     policy = engine.scheduler.policy
     before = engine.runner.graph_captures()
-    plain_fits = policy.cost.plain.updates
+    observe, windows = policy.observe_step, []
+
+    def recording(n, rows, drafted, *args, **kw):
+        if not drafted:
+            # args: draft_s, verify_s, catch_up_s, carried_rows, steps
+            windows.append(kw.get("steps", args[4] if len(args) > 4 else 1))
+        return observe(n, rows, drafted, *args, **kw)
+
+    policy.observe_step = recording
     engine.generate([[5, 7, 9]], SamplingParams(max_tokens=60, ignore_eos=True))
     decodes = engine.scheduler.plan_counts["decode"]
-    samples = policy.cost.plain.updates - plain_fits
     captured = engine.runner.graph_captures() - before
     assert reused[0] > 20 and captured > 0, (reused[0], captured)
-    assert decodes - samples <= captured, f"{decodes} plain steps, {samples} cost samples, {captured} captures"
+    # 20+ reused steps: whole windows; the last steps (budgets under a block) are one-step stretches
+    assert windows.count(STRETCH_SAMPLE) >= 2, f"sampled windows of steps {windows}"
+    assert decodes - sum(windows) <= captured * STRETCH_SAMPLE, (
+        f"{decodes} plain steps, {sum(windows)} sampled in windows {windows}, {captured} captures"
+    )
