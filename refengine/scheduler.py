@@ -56,6 +56,8 @@ class Scheduler(StepRecovery):
         self._verify_turn = True
         self._done: list[Request] = []
         self.policy = AdaptivePolicy(proposer.block_size) if speculation == "adaptive" and proposer else None
+        if self.policy is not None:  # the rows a draft would catch up, as the proposer counts them (if it does)
+            self.policy.pending = getattr(proposer, "pending_rows", None)
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self.costs = CostSamples(self.policy) if self.policy is not None else None  # its step-cost samples

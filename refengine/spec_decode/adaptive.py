@@ -86,6 +86,7 @@ class AdaptivePolicy:
     estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
     last_drafted: dict[int, int] = field(default_factory=dict)  # req -> the step of its last drafting choice
+    pending: Callable[[int], int] | None = None  # the proposer's rows a request carries (DFlashLane.pending_rows)
     catch_ups: int = 0  # catch-up flushes observed
     _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
     interval: int = MIN_EXPLORE
@@ -166,12 +167,17 @@ class AdaptivePolicy:
         return True
 
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
-        """Context rows the drafting requests of `spans` carry since their last draft (one a plain step), when
-        one carries more than a block (the lane then projects them all before the draft, a catch-up); 0 otherwise, or
-        when a drafting request never drafted (its prompt rows are not known here: its first-step probe)."""
+        """Context rows the drafting requests of `spans` carry since their last draft, when one carries more than
+        a block (the lane then projects them all before the draft, a catch-up); else 0. Read from the proposer
+        (`pending`, bound by the scheduler: a prompt's rows and those of a request passed over by the probe sample
+        included); unbound (simulations), counted one a step since the last drafting choice, and 0 when a
+        drafting request never drafted (its prompt rows are not known then)."""
         gaps = []
         for r, sp in zip(req_ids, spans):
             if sp > 1:
+                if self.pending is not None:
+                    gaps.append(self.pending(r))
+                    continue
                 last = self.last_drafted.get(r)
                 if last is None:
                     return 0

@@ -2,7 +2,8 @@
 pending context rows than the draft graph takes, after a prompt or a plain stretch: catch-up graph replays)
 reaches the policy apart from the draft time; the draft curve leaves it out, a catch-up cost C(rows) = fixed +
 per row is learnt from it (priced per row alone, the H200's mostly fixed catch-up cost looked 27-42 us a row),
-and an exploration that would cause one is charged it. The lane side (graph path, CUDA) is
+and an exploration that would cause one is charged it, with the rows the lane says each request carries (a
+prompt's, or a request's passed over by the probe sample, included). The lane side (graph path, CUDA) is
 tests/gpu/test_gpu_catch_up.py; the catch-up graphs themselves, tests/unit/test_catch_up_graphs.py. In
 simulation, with catch-ups costing 8 us a row, adaptive reaches 1.046 of the better of plain and fixed spans
 at acceptance 0.6, c8 and 0.984 at 0.85, c32 (tenth session), against 0.805 and 0.763 with the catch-ups
@@ -105,3 +106,24 @@ def test_catch_up_costs_in_simulation(concurrency, p_accept, fixed_s, row_s):
     kw = dict(catch_up_fixed_s=fixed_s, catch_up_row_s=row_s)
     adaptive, plain, fixed = (_simulate_phases(m, phases, **kw)[0] for m in ("adaptive", "plain", "fixed"))
     assert adaptive >= 0.97 * max(plain, fixed), f"adaptive {adaptive:.0f}, plain {plain:.0f}, fixed {fixed:.0f}"
+
+
+def test_carried_rows_come_from_the_lane_prompt_included(trained_pair):
+    # unbound (simulations), a request that never drafted carries unknown rows and nothing is priced; in an
+    # engine the policy reads the lane's pending rows: a request passed over by the probe sample explores with
+    # its whole context (prompt + every decoded row) to catch up, ~7 ms at c32 on Qwen3-4B shapes
+    pol = AdaptivePolicy(B)
+    carried = {0: 200, 1: 3}
+    assert pol._pending_rows([0, 1], [B, B]) == 0, "unbound: a never-drafted request's rows are unknown"
+    pol.pending = carried.__getitem__
+    assert pol._pending_rows([0, 1], [B, B]) == 203
+    assert pol._pending_rows([0, 1], [1, B]) == 0, "only request 1 drafts and carries under a block: no catch-up"
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, speculation="adaptive")
+    policy = engine.scheduler.policy
+    assert policy is not None and policy.pending is not None, "the scheduler binds the lane's pending rows"
+    prompt = list(range(5, 45))
+    req = engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill: the prompt's rows are committed context, not projected yet
+    rid = req.request_id
+    assert policy.pending(rid) == engine.proposer.pending_rows(rid) == len(prompt), policy.pending(rid)
+    assert policy._pending_rows([rid], [B]) == len(prompt), "a first draft catches the prompt up"
