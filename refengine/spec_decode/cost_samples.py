@@ -6,7 +6,8 @@ waits), after the next step's `execute` when it has no graph (a prefill, eager),
 goes idle. So the policy chooses each step with the samples of the steps before the last (the moving averages
 do not notice the lag). Handing one over updates the cost fits and tables: ~9 us a step on the 2-core dev CPU;
 taking and feeding together cost 18 us a step at c1 on the H200's host, taking alone 8 us (docs/PERF.md, runs
-48 and 51). A step that captured a CUDA graph is no sample: its time is the capture's.
+48 and 51), so a plain stretch's steps are sampled once in STRETCH_SAMPLE, their mean counted as that many
+steps. A sample whose steps captured a CUDA graph is dropped: its time is the capture's.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ for spans (AdaptivePolicy.reuse_plain answers at O(1)), and counts the step here
 every request's SpecStats. The counted steps (one token, span 1 each) are written into the requests' stats when
 the stretch closes: before any other plan is made for them, and before one of them leaves the batch
 (Scheduler._drop), so a finished request's stats are complete and in order. A running request's stats lag by
-the open stretch until then (Scheduler.close_stretch writes them).
+the open stretch until then (Scheduler.close_stretch writes them). The steps of a stretch, all of one shape,
+give the policy one cost sample in STRETCH_SAMPLE (their mean; CostSamples.take), the last ones at the close.
 
 Why: on the H200's host (Qwen3-4B shapes, c32, docs/PERF.md run 51) adaptive's plain steps took 141 us more host
 time a step than plain decode's, ~4.4 us a request, of which the per-request lists and the choice were ~40 us and

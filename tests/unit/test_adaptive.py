@@ -416,29 +416,6 @@ def test_poor_first_blocks_do_not_lock_adaptive_into_plain():
         assert a >= 0.94 * max(p, f), f"phase {phases[i]}: adaptive {a:.0f}, plain {p:.0f}, fixed {f:.0f} tok/s"
 
 
-def test_first_step_probes_are_short_while_position_one_rarely_accepts():
-    # a verify that accepts nothing tests only position 1, whatever its span: while the first blocks' position-1
-    # rate is low on ample evidence, a new request's first-step probe is a span-2 block (at c32 on Qwen3-4B
-    # shapes a 64-row verify instead of 512); thin evidence, or a position 1 that accepts, keeps full blocks
-    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
-    pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
-    pol._next_explore = 10**9  # no exploration step
-    rid = 0
-    while pol.estimates.tested[0] < SHORT_PROBE_EVIDENCE:
-        assert pol.choose([rid], [500]) == [B], f"request {rid}: full-block probe while evidence is thin"
-        pol.observe_acceptance(rid, B, 0)
-        pol.release(rid)
-        rid += 1
-    assert pol.estimates.first_block_rates()[0] < SHORT_PROBE_RATE
-    assert pol.choose([rid], [500]) == [2], "ample evidence that position 1 fails: a span-2 probe"
-    pol.observe_acceptance(rid, 2, 1)  # it accepted: the request is probed on, with full blocks
-    assert pol.choose([rid], [498]) == [B], "a short probe that accepted is followed by a full block"
-    for other in range(rid + 1, rid + 4):
-        pol.observe_acceptance(other, B, 4)  # the workload turns: first blocks accept position 1 again
-    assert pol.estimates.first_block_rates()[0] >= SHORT_PROBE_RATE
-    assert pol.choose([rid + 10], [500]) == [B], "position 1 accepts again: full-block probes"
-
-
 def _policy_with_failing_first_blocks() -> tuple[AdaptivePolicy, int]:
     """A policy (both cost curves measured, no exploration due) whose first blocks failed position 1 on ample
     evidence: every new request was probed with a full block that accepted nothing. Returns it and the next id."""
@@ -453,6 +430,21 @@ def _policy_with_failing_first_blocks() -> tuple[AdaptivePolicy, int]:
         rid += 1
     assert pol.unprobed == 0, "no request is passed over while the evidence is thin"
     return pol, rid
+
+
+def test_first_step_probes_are_short_while_position_one_rarely_accepts():
+    # a verify that accepts nothing tests only position 1, whatever its span: while the first blocks' position-1
+    # rate is low on ample evidence, a new request's first-step probe is a span-2 block (at c32 on Qwen3-4B
+    # shapes a 64-row verify instead of 512); thin evidence, or a position 1 that accepts, keeps full blocks
+    pol, rid = _policy_with_failing_first_blocks()
+    assert pol.estimates.first_block_rates()[0] < SHORT_PROBE_RATE
+    assert pol.choose([rid], [500]) == [2], "ample evidence that position 1 fails: a span-2 probe"
+    pol.observe_acceptance(rid, 2, 1)  # it accepted: the request is probed on, with full blocks
+    assert pol.choose([rid], [498]) == [B], "a short probe that accepted is followed by a full block"
+    for other in range(rid + 1, rid + 4):
+        pol.observe_acceptance(other, B, 4)  # the workload turns: first blocks accept position 1 again
+    assert pol.estimates.first_block_rates()[0] >= SHORT_PROBE_RATE
+    assert pol.choose([rid + 10], [500]) == [B], "position 1 accepts again: full-block probes"
 
 
 def test_only_a_sample_of_new_requests_is_probed_while_position_one_fails():
