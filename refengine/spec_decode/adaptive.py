@@ -62,6 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
@@ -369,49 +370,5 @@ class AdaptivePolicy:
         self._passed.discard(req_id)
 
     def summary(self) -> dict:
-        """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
-        v, d, p = ([t * 1e-3 for t in m.theta] for m in (self.cost.verify, self.cost.draft, self.cost.plain))
-        return {
-            "decisions": self.steps - self._decisions_before,
-            "explored": self.explored,
-            "searched": self.searched,
-            "probes": self.probes,
-            "unprobed": self.unprobed,
-            "explore_interval": self.interval,
-            "explore_regret_ms": round(self.regret_s * 1e3, 3),
-            "probe_regret_ms": round(self.probe_regret_s * 1e3, 3),
-            "catch_ups": self.catch_ups,
-            "catch_up_ms_model": {
-                "fixed": round(self.cost.catch_up.theta[0], 4),
-                "per_row_us": round(self.cost.catch_up.theta[1] * 1e3, 3),
-                "fits": self.cost.catch_up.updates,
-            },
-            "observed_step_ms": round(self.elapsed_s * 1e3, 3),
-            "chosen_cap_hist": {str(k): v for k, v in sorted(self.caps.items())},
-            "verify_ms_model": {
-                "per_step": round(v[0] * 1e3, 4),
-                "per_request": round(v[1] * 1e3, 5),
-                "per_executed_row": round(v[2] * 1e3, 5),
-                "fits": self.cost.verify.updates,
-            },
-            "draft_ms_model": {
-                "per_step": round(d[0] * 1e3, 4),
-                "per_request": round(d[1] * 1e3, 5),
-                "fits": self.cost.draft.updates,
-            },
-            "plain_ms_model": {
-                "per_step": round(p[0] * 1e3, 4),
-                "per_request": round(p[1] * 1e3, 5),
-                "fits": self.cost.plain.updates,
-            },
-            "last_predicted_tok_per_s": round(self.last.predicted_tok_per_s, 2) if self.last else None,
-            "last_plain_tok_per_s": round(self.last.plain_tok_per_s, 2) if self.last else None,
-            "last_mean_expected_tokens_full_span": (
-                round(self.last_mean_expected, 3) if self.last_mean_expected is not None else None
-            ),
-            **self.estimates.summary(),
-            "cost_table_ms": {
-                kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
-                for kind, table in self.cost.tables.items()
-            },
-        }
+        """The policy's inputs and decisions, for stats / bench JSON (times in ms; policy_summary.py)."""
+        return policy_summary(self)

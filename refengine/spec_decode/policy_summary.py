@@ -1,0 +1,58 @@
+"""The adaptive policy's visible statistics (AdaptivePolicy.summary): its decision counters, the fitted cost
+models, the acceptance estimates and the cost table, as the bench JSON and engine stats show them (ms)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refengine.spec_decode.adaptive import AdaptivePolicy
+
+
+def policy_summary(policy: AdaptivePolicy) -> dict:
+    """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
+    v, d, p = ([t * 1e-3 for t in m.theta] for m in (policy.cost.verify, policy.cost.draft, policy.cost.plain))
+    return {
+        "decisions": policy.steps - policy._decisions_before,
+        "explored": policy.explored,
+        "searched": policy.searched,
+        "probes": policy.probes,
+        "unprobed": policy.unprobed,
+        "explore_interval": policy.interval,
+        "explore_regret_ms": round(policy.regret_s * 1e3, 3),
+        "probe_regret_ms": round(policy.probe_regret_s * 1e3, 3),
+        "catch_ups": policy.catch_ups,
+        "catch_up_ms_model": {
+            "fixed": round(policy.cost.catch_up.theta[0], 4),
+            "per_row_us": round(policy.cost.catch_up.theta[1] * 1e3, 3),
+            "fits": policy.cost.catch_up.updates,
+        },
+        "observed_step_ms": round(policy.elapsed_s * 1e3, 3),
+        "chosen_cap_hist": {str(k): v for k, v in sorted(policy.caps.items())},
+        "verify_ms_model": {
+            "per_step": round(v[0] * 1e3, 4),
+            "per_request": round(v[1] * 1e3, 5),
+            "per_executed_row": round(v[2] * 1e3, 5),
+            "fits": policy.cost.verify.updates,
+        },
+        "draft_ms_model": {
+            "per_step": round(d[0] * 1e3, 4),
+            "per_request": round(d[1] * 1e3, 5),
+            "fits": policy.cost.draft.updates,
+        },
+        "plain_ms_model": {
+            "per_step": round(p[0] * 1e3, 4),
+            "per_request": round(p[1] * 1e3, 5),
+            "fits": policy.cost.plain.updates,
+        },
+        "last_predicted_tok_per_s": round(policy.last.predicted_tok_per_s, 2) if policy.last else None,
+        "last_plain_tok_per_s": round(policy.last.plain_tok_per_s, 2) if policy.last else None,
+        "last_mean_expected_tokens_full_span": (
+            round(policy.last_mean_expected, 3) if policy.last_mean_expected is not None else None
+        ),
+        **policy.estimates.summary(),
+        "cost_table_ms": {
+            kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
+            for kind, table in policy.cost.tables.items()
+        },
+    }
