@@ -236,7 +236,7 @@ class Scheduler(StepRecovery):
                     self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
-            stretch = self._stretch if self._stretch is not None and plan.requests is self._stretch.requests else None
+            stretch = self._stretch_of(plan)
             if plan.capture:  # speculating requests given span 1: each row's features become context
                 self.active_proposer.commit_step([r.request_id for r in plan.requests])
                 if stretch is not None:
@@ -273,6 +273,11 @@ class Scheduler(StepRecovery):
         if self.costs is not None and not self.running and not self.waiting:
             self.costs.feed()  # idle: no next step will hand the sample over
 
+    def _stretch_of(self, plan: Plan) -> PlainStretch | None:
+        """The open plain stretch when `plan` is one of its steps."""
+        stretch = self._stretch
+        return stretch if stretch is not None and plan.requests is stretch.requests else None
+
     def close_stretch(self) -> None:
         """Write the open plain stretch's steps into its requests' SpecStats and end it (a no-op without one)."""
         stretch, self._stretch = self._stretch, None
@@ -290,7 +295,7 @@ class Scheduler(StepRecovery):
                 self._done.append(req)
         seq_len = self.pool.seq_len
         context_rows = self.proposer.context_rows if self.proposer is not None else None
-        every_eligible = self._stretch is not None and plan.requests is self._stretch.requests  # (its requests are)
+        every_eligible = self._stretch_of(plan) is not None  # (a stretch's requests all are)
         for req in plan.requests:
             if req.finished:
                 continue

@@ -86,7 +86,6 @@ class AdaptivePolicy:
     rows: RowsFn = real_rows
     estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
-    last_drafted: dict[int, int] = field(default_factory=dict)  # req -> the step of its last drafting choice
     pending: Callable[[int], int] | None = None  # the proposer's rows a request carries (DFlashLane.pending_rows)
     catch_ups: int = 0  # catch-up flushes observed
     _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
@@ -139,14 +138,9 @@ class AdaptivePolicy:
 
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
-        catch-up observe_step may see) and when they drafted."""
+        catch-up observe_step may see)."""
         spans = self._choose(req_ids, remaining)
-        drafting = max(spans) > 1
-        self._catch_up_rows = self._pending_rows(req_ids, spans) if drafting else 0
-        if drafting:
-            for r, sp in zip(req_ids, spans):
-                if sp > 1:
-                    self.last_drafted[r] = self.steps
+        self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
         return spans
 
     def reuse_plain(self, min_remaining: int) -> bool:
@@ -171,18 +165,10 @@ class AdaptivePolicy:
         """Context rows the drafting requests of `spans` carry since their last draft, when one carries more than
         a block (the lane then projects them all before the draft, a catch-up); else 0. Read from the proposer
         (`pending`, bound by the scheduler: a prompt's rows and those of a request passed over by the probe sample
-        included); unbound (simulations), counted one a step since the last drafting choice, and 0 when a
-        drafting request never drafted (its prompt rows are not known then)."""
-        gaps = []
-        for r, sp in zip(req_ids, spans):
-            if sp > 1:
-                if self.pending is not None:
-                    gaps.append(self.pending(r))
-                    continue
-                last = self.last_drafted.get(r)
-                if last is None:
-                    return 0
-                gaps.append(self.steps - last)
+        included); unbound, nothing is known to carry: 0."""
+        if self.pending is None:
+            return 0
+        gaps = [self.pending(r) for r, sp in zip(req_ids, spans) if sp > 1]
         return sum(gaps) if gaps and max(gaps) > self.block_size else 0
 
     def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
@@ -366,7 +352,6 @@ class AdaptivePolicy:
     def release(self, req_id: int) -> None:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
-        self.last_drafted.pop(req_id, None)
         self._passed.discard(req_id)
 
     def summary(self) -> dict:

@@ -277,6 +277,7 @@ def _simulate_phases(
     pol = AdaptivePolicy(B, rows=_graph_rows)
     rid, out, drafted_once = 0, [], set()
     carried: dict[int, int] = {}  # req -> context rows since its last draft
+    pol.pending = lambda r: carried.get(r, 128)  # as the lane counts them (a prompt of 128 rows at first)
     for concurrency, p_accept, waves, tokens in phases:
         elapsed = 0.0
         for _ in range(waves):

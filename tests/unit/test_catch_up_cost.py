@@ -68,6 +68,8 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
         pol.observe_acceptance(r, B, 0)
     pol.observe_step(4, 4 * B, 4, 3e-3, 6e-3)
     draft_fit = list(pol.cost.draft.theta)
+    carried = dict.fromkeys(ids, 1)  # rows since each request's last draft, as the lane counts them: its
+    pol.pending = carried.__getitem__  # verify committed one (nothing accepted), then one a plain step
 
     def truth(rows: int) -> float:  # mostly fixed (launches, syncs), a little per row
         return 0.5e-3 + 1e-6 * rows
@@ -76,12 +78,13 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
         for _ in range(stretch):
             assert pol.choose(ids, [900] * 4) == [1] * 4
             pol.observe_step(4, 4, 0, 0.0, 4.6e-3)
+            for r in ids:
+                carried[r] += 1
         spans = [B] * 4
         rows = pol._pending_rows(ids, spans)
-        assert rows == 4 * stretch, rows  # each carries the plain steps since its last draft
+        assert rows == 4 * (stretch + 1), rows  # each carries its last verify's row and the plain steps since
         pol._catch_up_rows = rows
-        for r in ids:
-            pol.last_drafted[r] = pol.steps  # as choose() notes a drafting choice
+        carried.update(dict.fromkeys(ids, 1))  # drafted: the projection caught up, the verify committed one row
         pol.observe_step(4, 4 * B, 4, 1.5e-3 + truth(rows), 6e-3, truth(rows))
     assert pol.catch_ups == 3 and pol.cost.draft.theta != draft_fit  # the draft curve: without the catch-ups
     for rows in (40, 400, 4000):  # a long stretch is priced near its cost, not 10x it (per row alone: 13 us)
@@ -93,8 +96,10 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
     for _ in range(20):
         pol.choose(ids, [900] * 4)
         pol.observe_step(4, 4, 0, 0.0, 4.6e-3)
+        for r in ids:
+            carried[r] += 1
     charged = pol._regret(spans, tables, d, ids) - pol._regret(spans, tables, d)
-    assert charged == pytest.approx(pol.cost.catch_up_s(4 * 20)) and charged > 0.4e-3, charged
+    assert charged == pytest.approx(pol.cost.catch_up_s(4 * 21)) and charged > 0.4e-3, charged
 
 
 @pytest.mark.parametrize("concurrency,p_accept", [(8, 0.6), (32, 0.85)])
@@ -109,12 +114,12 @@ def test_catch_up_costs_in_simulation(concurrency, p_accept, fixed_s, row_s):
 
 
 def test_carried_rows_come_from_the_lane_prompt_included(trained_pair):
-    # unbound (simulations), a request that never drafted carries unknown rows and nothing is priced; in an
-    # engine the policy reads the lane's pending rows: a request passed over by the probe sample explores with
-    # its whole context (prompt + every decoded row) to catch up, ~7 ms at c32 on Qwen3-4B shapes
+    # unbound, nothing is known to carry and nothing is priced; in an engine the policy reads the lane's pending
+    # rows: a request passed over by the probe sample explores with its whole context (prompt + every decoded
+    # row) to catch up, ~7 ms at c32 on Qwen3-4B shapes
     pol = AdaptivePolicy(B)
     carried = {0: 200, 1: 3}
-    assert pol._pending_rows([0, 1], [B, B]) == 0, "unbound: a never-drafted request's rows are unknown"
+    assert pol._pending_rows([0, 1], [B, B]) == 0, "unbound: no rows known to carry"
     pol.pending = carried.__getitem__
     assert pol._pending_rows([0, 1], [B, B]) == 203
     assert pol._pending_rows([0, 1], [1, B]) == 0, "only request 1 drafts and carries under a block: no catch-up"

@@ -66,7 +66,7 @@ def test_a_sample_carries_its_own_steps_catch_up_rows(trained_pair):
     drafting_steps = {0, 21, 45}  # a first-step probe, then drafts after plain stretches longer than a block
 
     def forced(req_ids, remaining):
-        policy.steps += 1  # (what the real choice counts; carried rows are measured in steps)
+        policy.steps += 1  # (what the real choice counts)
         return [B if policy.steps - 1 in drafting_steps else 1] * len(req_ids)
 
     carried: list[int] = []  # carried rows of each drafting choice, as choose left them
@@ -98,5 +98,6 @@ def test_a_sample_carries_its_own_steps_catch_up_rows(trained_pair):
     policy.cost.observe_catch_up = note_catch_up  # type: ignore[method-assign]
     runner.execute = execute_with_catch_up  # type: ignore[method-assign]
     greedy(engine, [list(range(5, 20))], 90)
-    assert carried[0] == 0 and all(c > B for c in carried[1:]), carried  # the probe carries no known rows
+    # the probe's 15 prompt rows fit the draft graph (at most B): no catch-up
+    assert carried[0] == 0 and all(c > B for c in carried[1:]), carried
     assert learnt == carried[1:], f"catch-ups learnt with rows {learnt}, the drafting steps carried {carried}"
