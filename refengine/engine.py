@@ -171,7 +171,10 @@ class Engine:
                 self.proposer.catch_up_graphs = CatchUpGraphs(
                     self.proposer.graph.stack, capturer, self.store.pool.dummy_slot
                 )
-        return build_target_graphs(self.target, self.pool, self.config, capturer, taps, span, store)
+        adaptive = self.config.speculation == "adaptive"  # its retired requests decode without taps
+        return build_target_graphs(
+            self.target, self.pool, self.config, capturer, taps, span, store, plain_decode=adaptive
+        )
 
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at

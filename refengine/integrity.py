@@ -43,7 +43,7 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
                 f"(exactly {need} expected between steps)"
             )
     if sched.proposer is not None:
-        spec = {rid for rid, r in running.items() if sched.eligible(r)}
+        spec = {rid for rid, r in running.items() if sched.speculates(r)}
         staged = sched.proposer.staged_requests()
         if staged:
             raise IntegrityError(f"proposer holds staged features for requests {sorted(staged)} between steps")

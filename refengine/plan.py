@@ -28,6 +28,9 @@ class DecodePlan:
     # capture every request's drafter features of the decoded row: the speculating requests, when the
     # adaptive policy put them all at span 1 (a plain decode step that keeps their drafter context aligned)
     capture: bool = False
+    # requests of a capturing plan whose rows are not captured: retired from speculation by the adaptive policy
+    # (they ride along at span 1 and have no drafter context). A plan of retired requests only does not capture.
+    uncaptured: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -35,6 +38,7 @@ class VerifyPlan:
     requests: list[Request]
     spans: list[int]  # min(B, remaining budget): a request never verifies past its budget
     reservation: SpecReservation
+    uncaptured: frozenset[int] = frozenset()  # as DecodePlan's: retired requests, at span 1
 
 
 Plan = PrefillPlan | DecodePlan | VerifyPlan
@@ -88,6 +92,9 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"request {rid}: token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
-        captures = every_row_captures or (isinstance(plan, PrefillPlan) and plan.capture[i])
+        if isinstance(plan, PrefillPlan):
+            captures = plan.capture[i]
+        else:
+            captures = every_row_captures and rid not in plan.uncaptured
         if captures and rid not in staged:
             raise StepError(f"request {rid}: no drafter features were staged for its {rows}-row step")

@@ -114,6 +114,11 @@ class Scheduler(StepRecovery):
         """Speculate only for greedy requests without logprobs, when a proposer is loaded."""
         return self.proposer is not None and req.params.logprobs == 0
 
+    def speculates(self, req: Request) -> bool:
+        """Eligible and not retired from speculation by the adaptive policy: it holds a drafter context, and
+        its rows are captured. (A retired request still steps with the eligible ones, at span 1.)"""
+        return self.eligible(req) and (self.policy is None or req.request_id not in self.policy.retired)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -163,7 +168,7 @@ class Scheduler(StepRecovery):
             admitted.append(req)
             tokens += len(req.prompt_ids)
         if admitted:
-            plan = PrefillPlan(admitted, [self.eligible(r) for r in admitted])
+            plan = PrefillPlan(admitted, [self.speculates(r) for r in admitted])
             try:
                 for r, c in zip(admitted, plan.capture):
                     if c:
@@ -186,8 +191,19 @@ class Scheduler(StepRecovery):
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
             remaining = [r.remaining for r in spec]
+            uncaptured: frozenset[int] = frozenset()
             if self.policy is not None:
+                retired = self.policy.retired
+                if retired and all(r.request_id in retired for r in spec):
+                    for r in spec:  # every one retired from speculation: plain decode's own step
+                        self.pool.extend(r.request_id, 1)
+                    self.plan_counts["decode"] += 1
+                    return DecodePlan(spec)
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
+                for rid in self.policy.take_retired():
+                    self.active_proposer.release(rid)  # it drafts no more: its rows are not captured
+                if retired:
+                    uncaptured = frozenset(r.request_id for r in spec if r.request_id in retired)
                 if self.costs is not None:
                     self.costs.mark_plan()
             else:
@@ -200,12 +216,14 @@ class Scheduler(StepRecovery):
                 for r in spec:
                     self.pool.extend(r.request_id, 1)
                 self.plan_counts["decode"] += 1
-                if not plain:  # every running request: a plain stretch opens (spec_decode/plain_stretch.py)
+                if len(uncaptured) == len(spec):  # the choice just retired the last of them
+                    return DecodePlan(spec)
+                if not plain and not uncaptured:  # every running request: a plain stretch (plain_stretch.py)
                     self._stretch = PlainStretch(spec, self.running, len(self.running), min(remaining))
-                return DecodePlan(spec, capture=True)
+                return DecodePlan(spec, capture=True, uncaptured=uncaptured)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
-            return VerifyPlan(spec, spans, res)
+            return VerifyPlan(spec, spans, res, uncaptured)
         if plain:
             self._verify_turn = True
             for r in plain:
@@ -238,11 +256,13 @@ class Scheduler(StepRecovery):
         elif isinstance(plan, DecodePlan):
             stretch = self._stretch_of(plan)
             if plan.capture:  # speculating requests given span 1: each row's features become context
-                self.active_proposer.commit_step([r.request_id for r in plan.requests])
+                skip = plan.uncaptured
+                captured = [r for r in plan.requests if r.request_id not in skip] if skip else plan.requests
+                self.active_proposer.commit_step([r.request_id for r in captured])
                 if stretch is not None:
                     stretch.count_step()  # written into their stats when the stretch closes
                 else:
-                    for req in plan.requests:
+                    for req in captured:
                         req.spec.record(1, 1)
             for i, req in enumerate(plan.requests):
                 if result.topk:
@@ -261,8 +281,9 @@ class Scheduler(StepRecovery):
                 self.pool.speculative_view(plan.reservation), plan.requests, results
             ):
                 self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
-                self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
-                req.spec.record(vr.committed, span)
+                if req_id not in plan.uncaptured:  # (a retired request: span 1, no drafter context)
+                    self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
+                    req.spec.record(vr.committed, span)
                 if self.policy is not None:
                     self.policy.observe_acceptance(req_id, span, vr.accepted)
                 self._append(req, vr.new_tokens)
@@ -295,7 +316,7 @@ class Scheduler(StepRecovery):
                 self._done.append(req)
         seq_len = self.pool.seq_len
         context_rows = self.proposer.context_rows if self.proposer is not None else None
-        every_eligible = self._stretch_of(plan) is not None  # (a stretch's requests all are)
+        every_eligible = self._stretch_of(plan) is not None  # (a stretch's requests all speculate)
         for req in plan.requests:
             if req.finished:
                 continue
@@ -304,7 +325,7 @@ class Scheduler(StepRecovery):
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
             if (
                 context_rows is not None
-                and (every_eligible or self.eligible(req))
+                and (every_eligible or self.speculates(req))
                 and context_rows(req.request_id) != kv
             ):
                 raise AlignmentError(

@@ -20,7 +20,7 @@ class StepRecovery:
     waiting: deque[Request]
     _done: list[Request]
 
-    def eligible(self, req: Request) -> bool:
+    def speculates(self, req: Request) -> bool:
         raise NotImplementedError
 
     @property
@@ -73,7 +73,7 @@ class StepRecovery:
         kv = self.pool.seq_len.get(req.request_id)
         if kv != req.committed_len:
             return f"KV length {kv} != committed {req.committed_len}"
-        if self.eligible(req):
+        if self.speculates(req):
             try:
                 rows = self.active_proposer.context_rows(req.request_id)
             except Exception as e:

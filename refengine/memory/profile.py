@@ -84,7 +84,8 @@ FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # each graph-mode wrapper's own device
 def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None, max_context: int) -> int:
     """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
-    dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
+    dominate), every bucket's persistent buffers (adaptive mode: also its decode graph without taps), and one
+    FlashInfer int workspace per graph-mode wrapper.
     The drafter graph's temporaries are the lane's batch scratch, and its catch-up graphs' (buffers and
     temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation."""
     from refengine.runner.graphs import batch_buckets, row_caps
@@ -95,8 +96,9 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     buckets = batch_buckets(config.max_num_seqs)
     per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
     verify_rows = sum(row_caps(span)) if draft_cfg is not None else 0  # per request, over the verify shapes
-    rows = sum(buckets) * (1 + verify_rows)  # decode + verify shapes
-    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify (shared by its caps), draft
+    twin = int(draft_cfg is not None and config.speculation == "adaptive")  # the decode graph without taps
+    rows = sum(buckets) * (1 + twin + verify_rows)  # decode (+ its twin) + verify shapes
+    wrappers = len(buckets) * (1 + twin + 2 * (draft_cfg is not None))  # decode(s), verify (shared by caps), draft
     static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model

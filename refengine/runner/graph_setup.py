@@ -38,10 +38,13 @@ def build_target_graphs(
     verify_span: int | None,
     feature_store: torch.Tensor | None = None,
     capture_shape_rule: bool = True,
+    plain_decode: bool = False,
 ) -> dict[str, GraphRunner]:
     """'decode' (one row per request) and, with a proposer, 'verify' (up to verify_span rows per request, in
     shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps). Every step of either writes its
-    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py)."""
+    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py).
+    `plain_decode` adds 'decode_plain', the decode step without taps, for steps that capture nothing
+    (adaptive speculation's retired requests: spec_decode/adaptive.py)."""
     stack = SegmentedStack(
         target.cfg,
         [merge_layer(w) for w in target.layers],
@@ -64,6 +67,8 @@ def build_target_graphs(
         capture_shape_rule=capture_shape_rule,
     )
     runners = {"decode": GraphRunner(stack, make, span=1, **kw)}  # type: ignore[arg-type]
+    if plain_decode and tap_layers:
+        runners["decode_plain"] = GraphRunner(stack.without_taps(), make, span=1, **kw)  # type: ignore[arg-type]
     if verify_span is not None:
         runners["verify"] = GraphRunner(stack, make, span=verify_span, caps=row_caps(verify_span), **kw)  # type: ignore[arg-type]
     return runners

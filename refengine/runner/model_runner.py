@@ -100,19 +100,25 @@ class ModelRunner:
         return out
 
     def _replay(
-        self, kind: str, steps: list[StepRow], capture: bool, whole_step: bool = False
+        self,
+        kind: str,
+        steps: list[StepRow],
+        capture: bool,
+        whole_step: bool = False,
+        uncaptured: frozenset[int] = frozenset(),
     ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
-        Returns the argmax of every real row per request, and stages every request's rows when `capture`
-        (`whole_step`: a decode plan's, one row per request, staged in one call)."""
+        Returns the argmax of every real row per request, and stages the rows of every request but those in
+        `uncaptured` when `capture` (`whole_step`: a decode plan's, one row per request, staged in one call)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
-        g = runner.run(steps)  # the graph writes every row's tap features into the store at its slots
+        g = runner.run(steps)  # a graph with taps writes every row's tap features into the store at its slots
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         if capture and self.proposer is not None:
-            self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
+            rows = [(s.req_id, s.start, n) for s, n in zip(steps, lens)]
+            self._stage([r for r in rows if r[0] not in uncaptured] if uncaptured else rows, whole_step)
         if self.while_waiting is not None:
             self.while_waiting()
         t = time.perf_counter()
@@ -130,7 +136,8 @@ class ModelRunner:
         of `capture`, when given)."""
         assert self.proposer is not None
         if whole_step:
-            self.proposer.stage_step([r for r, _, _ in spans], [start for _, start, _ in spans])
+            rows = spans if capture is None else [sp for sp, c in zip(spans, capture) if c]
+            self.proposer.stage_step([r for r, _, _ in rows], [start for _, start, _ in rows])
             return
         for i, (req_id, start, n) in enumerate(spans):
             if capture is None or capture[i]:
@@ -237,14 +244,17 @@ class ModelRunner:
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
             reqs = plan.requests
+            # a step that captures nothing runs the decode graph without taps when the engine has one
+            kind = "decode" if plan.capture or "decode_plain" not in self.graphs else "decode_plain"
             graphed = (
                 None
                 if any(r.params.logprobs for r in reqs)
                 else self._replay(
-                    "decode",
+                    kind,
                     [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
                     capture=plan.capture,
                     whole_step=plan.capture,
+                    uncaptured=plan.uncaptured,
                 )
             )
             if graphed is not None:
@@ -254,7 +264,7 @@ class ModelRunner:
             a, t = self._run(
                 [[r.output_ids[-1]] for r in reqs],
                 spans,
-                [plan.capture] * len(reqs),
+                [plan.capture and r.request_id not in plan.uncaptured for r in reqs],
                 [range(1)] * len(reqs),
                 [r.params.logprobs for r in reqs],
                 whole_step=plan.capture,
@@ -282,11 +292,13 @@ class ModelRunner:
             kind,
             [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
             capture=True,
+            uncaptured=plan.uncaptured,
         )
         if graphed is not None:
             a = graphed
         else:
-            a, _ = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
+            captured = [rid not in plan.uncaptured for rid, _, _ in view]
+            a, _ = self._run(tokens, view, captured, [range(s) for _, _, s in view], [0] * len(view))
             self._sync()
         t2 = time.perf_counter()
         self.timings["draft_s"] += t1 - t0

@@ -111,14 +111,16 @@ class AcceptanceEstimates:
                 out.append(shared)
         return out
 
-    def observe(self, req_id: int, span: int, accepted: int) -> None:
-        """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts (the request's first block
-        when it has no evidence yet)."""
+    def observe(self, req_id: int, span: int, accepted: int, first: bool | None = None) -> None:
+        """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts. `first`: it is the block
+        right after the request's prompt, a first block (default: when the request has no evidence yet; a request
+        that decoded plainly before its first draft drafts a later block)."""
         if span <= 1:
             return  # no drafts: nothing learnt
         tested = min(accepted + 1, span - 1)
         own = self.requests.get(req_id)
-        pop_s, pop_t = (self.later_accepted, self.later_tested) if own is not None else (self.accepted, self.tested)
+        first = own is None if first is None else first
+        pop_s, pop_t = (self.accepted, self.tested) if first else (self.later_accepted, self.later_tested)
         if own is None:
             n = self.block_size - 1
             own = self.requests[req_id] = ([0.0] * n, [0.0] * n)

@@ -96,7 +96,10 @@ class AdaptivePolicy:
     probes: int = 0  # new requests given a full block to measure their acceptance
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     unprobed: int = 0  # new requests passed over by the probe sample (PROBE_SAMPLE)
-    _passed: set[int] = field(default_factory=set)  # live requests passed over, probed once the sample lifts
+    _passed: dict[int, int] = field(default_factory=dict)  # live requests passed over (probed once the sample
+    # lifts) -> the first blocks observed by then
+    _first_seen: int = 0  # first drafting steps observed (first blocks)
+    _first_accept_at: int = 0  # _first_seen at the last first block that accepted position 1
     _new_seen: int = 0  # new requests the sample has counted
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
@@ -111,6 +114,10 @@ class AdaptivePolicy:
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
+    _reused: bool = False  # the last choose took that fast path
+    retired: set[int] = field(default_factory=set)  # live requests retired from speculation (see _retire)
+    retirements: int = 0  # requests retired so far
+    _newly_retired: list[int] = field(default_factory=list)  # retired since the scheduler last took them
 
     def __post_init__(self) -> None:
         self.estimates = AcceptanceEstimates(self.block_size)
@@ -130,6 +137,7 @@ class AdaptivePolicy:
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
         self.explored, self.searched, self.probes, self.unprobed, self.caps = 0, 0, 0, 0, Counter()
+        self.retirements = 0
         self._decisions_before = self.steps
 
     def expected(self, req_id: int) -> Table:
@@ -140,8 +148,41 @@ class AdaptivePolicy:
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
         catch-up observe_step may see)."""
         spans = self._choose(req_ids, remaining)
+        if not self._reused and self._position_one_fails():  # (a reused decision retires no one new)
+            self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
         return spans
+
+    def take_retired(self) -> list[int]:
+        """Requests retired since the last call: the scheduler releases their drafter contexts; from now on
+        they decode plainly (span 1 whatever the batch) and their rows are not captured."""
+        out, self._newly_retired = self._newly_retired, []
+        return out
+
+    def _retire(self, req_ids: list[int], spans: list[int]) -> None:
+        """While position 1 fails in first and later blocks alike (on ample evidence), a request the decision
+        leaves at span 1 after its own probe (or passed over by the probe sample), and not being probed on, is
+        retired: it will not draft again, so its steps need no tap features and its drafter context is freed.
+        A batch of retired requests then runs plain decode's own step (the decode graph without taps; writing
+        them was 0.4-1.3% of a step on the H200, run 55), with no policy, cost sample or drafter bookkeeping.
+        The probe sample still tests position 1 on every PROBE_SAMPLE-th new request, so a workload turning
+        good is seen; the requests retired before stay plain for the rest of their generation."""
+        d, done = self.last, False
+        for i, (r, s) in enumerate(zip(req_ids, spans)):
+            if s != 1 or r in self.retired or (d is not None and d.spans[i] != 1):
+                continue  # drafting now, retired already, or a plain exploration of a speculating choice
+            if r in self.drafted:
+                settled = self.drafted[r][1] == 0 and not self._probing(r)  # its own last block accepted nothing
+            else:  # passed over: a first block observed since then, none accepting position 1
+                seen = self._passed.get(r)
+                settled = seen is not None and self._first_accept_at <= seen < self._first_seen
+            if settled:
+                self.retired.add(r)
+                self._newly_retired.append(r)
+                self.retirements += 1
+                done = True
+        if done:
+            self._version += 1  # their tables are now flat: the cached decision and tables are stale
 
     def reuse_plain(self, min_remaining: int) -> bool:
         """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
@@ -174,12 +215,17 @@ class AdaptivePolicy:
     def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), min(min(remaining), self.block_size))
         if self._reuse(key):
+            self._reused = True
             return [1] * len(req_ids)
-        self._settled = False
+        self._settled = self._reused = False
         # the tables are a pure function of the observations (the version) and the requests: reused across the
         # exploration checks of a settled plain stretch (32 requests' tables: ~0.25 ms on a 2-core CPU)
         if self._tables is None or self._tables[0] != key[:2]:
-            self._tables = (key[:2], self.estimates.tables(req_ids))
+            tables = self.estimates.tables(req_ids)
+            if self.retired:  # a retired request commits one token whatever its span: it never drafts
+                flat = [0.0] + [1.0] * self.block_size
+                tables = [flat if r in self.retired else t for r, t in zip(req_ids, tables)]
+            self._tables = (key[:2], tables)
         tables = self._tables[1]
         d = self._cached if self._cache_key == key and self._cached is not None else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
@@ -200,7 +246,8 @@ class AdaptivePolicy:
         short = self._short_probes()
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
             span = 2 if short and self._later_position_one_fails() else b  # (short as a first-step probe is)
-            trial = [1] * n if spec else [max(1, min(span, r)) for r in remaining]
+            out = self.retired  # (retired requests draft in no exploration)
+            trial = [1] * n if spec else [1 if r in out else max(1, min(span, k)) for r, k in zip(req_ids, remaining)]
             budget = self._budget(remaining)
             regret = self._regret(trial, tables, d, req_ids)
             if regret > budget:
@@ -220,6 +267,7 @@ class AdaptivePolicy:
             if d.spans[i] < min(b, remaining[i])
             and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
             and not (short and r in self._passed)
+            and r not in self.retired
         ]
         if short and new:
             new = self._sample(req_ids, new)
@@ -233,7 +281,11 @@ class AdaptivePolicy:
             self.probes += len(new)
             self.caps[d.cap] += 1
             return spans
-        fresh = [i for i, r in enumerate(req_ids) if d.spans[i] == 1 and remaining[i] > 1 and self._probing(r)]
+        fresh = [
+            i
+            for i, r in enumerate(req_ids)
+            if d.spans[i] == 1 and remaining[i] > 1 and r not in self.retired and self._probing(r)
+        ]
         if fresh:  # follow-up probes of requests still being learnt, as many as the budget affords
             budget = self._budget(remaining) if budget is None else budget
             trial = list(d.spans)
@@ -261,6 +313,10 @@ class AdaptivePolicy:
         est = self.estimates
         return est.tested[0] >= SHORT_PROBE_EVIDENCE and est.first_block_rates()[0] < SHORT_PROBE_RATE
 
+    def _position_one_fails(self) -> bool:
+        """First and later blocks alike accept position 1 at under SHORT_PROBE_RATE, on ample evidence."""
+        return self._short_probes() and self._later_position_one_fails()
+
     def _later_position_one_fails(self) -> bool:
         """Later blocks, too, accept position 1 at under SHORT_PROBE_RATE on ample evidence."""
         est = self.estimates
@@ -275,7 +331,7 @@ class AdaptivePolicy:
             if self._new_seen % PROBE_SAMPLE == 0:
                 kept.append(i)
             else:
-                self._passed.add(req_ids[i])
+                self._passed[req_ids[i]] = self._first_seen
                 self.unprobed += 1
             self._new_seen += 1
         return kept
@@ -345,14 +401,22 @@ class AdaptivePolicy:
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
         if span <= 1:
             return  # no drafts: nothing learnt about acceptance
-        self.estimates.observe(req_id, span, accepted)
+        # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
+        # before (then a later block, as an exploration's of a probed request is)
+        first = req_id not in self.drafted and req_id not in self._passed
+        if first:  # (what a passed-over request's retirement waits on)
+            self._first_seen += 1
+            if accepted:
+                self._first_accept_at = self._first_seen
+        self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
 
     def release(self, req_id: int) -> None:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
-        self._passed.discard(req_id)
+        self._passed.pop(req_id, None)
+        self.retired.discard(req_id)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms; policy_summary.py)."""

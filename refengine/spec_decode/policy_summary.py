@@ -18,6 +18,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "searched": policy.searched,
         "probes": policy.probes,
         "unprobed": policy.unprobed,
+        "retired": policy.retirements,
         "explore_interval": policy.interval,
         "explore_regret_ms": round(policy.regret_s * 1e3, 3),
         "probe_regret_ms": round(policy.probe_regret_s * 1e3, 3),

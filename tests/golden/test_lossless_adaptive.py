@@ -85,3 +85,64 @@ def test_lossless_adaptive_random_spans_every_step(random_pair, graph_mode):
     if graph_mode != "eager":  # mixed spans replay verify shapes of fewer rows per request than B
         caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
         assert len(caps) > 1, f"every verify step replayed one row cap: {caps}"
+
+
+def _seed_position_one_failing(policy, n: int = 40) -> None:
+    """Evidence that position 1 fails in first and later blocks alike: n past requests whose first block and
+    one later block each accepted nothing (ids the engine never gives)."""
+    for rid in range(-1, -n - 1, -1):
+        policy.observe_acceptance(rid, B, 0)  # its first block
+        policy.observe_acceptance(rid, B, 0)  # a later one
+        policy.release(rid)
+
+
+@pytest.mark.parametrize("measured", [False, True], ids=["calibrating", "sampled"])
+@pytest.mark.parametrize("graph_mode", ["eager", "full"])
+def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
+    """While position 1 fails everywhere, the policy retires requests from speculation: after their own block
+    failed (`calibrating`: the policy's first steps draft for every request to measure the verify curve), or
+    passed over by the probe sample once a sampled first block failed too (`sampled`: both cost curves
+    measured, so only every PROBE_SAMPLE-th new request is probed). They keep decoding in the same steps at
+    span 1 without a drafter context, and a batch of retired requests runs the decode graph without taps. The
+    real drafter drafts; the bench's tau1.0 profile makes every verify accept nothing, which commits exactly
+    the target's greedy token, so the output must still equal plain decoding."""
+    from refengine.config import EngineConfig
+    from refengine.engine import Engine
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+    from refengine.spec_decode.adaptive import PROBE_SAMPLE
+
+    prompts = _prompts(model_pair, 12, seed=9)
+    budgets = [BUDGETS[i % len(BUDGETS)] + 20 for i in range(len(prompts))]
+    plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
+    config = EngineConfig(
+        str(model_pair.target),
+        draft_path=str(model_pair.draft),
+        device="cpu",
+        speculation="adaptive",
+        graph_mode=graph_mode,
+        max_num_seqs=12,
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    policy = engine.scheduler.policy
+    assert policy is not None
+    _seed_position_one_failing(policy)
+    if measured:
+        policy.cost.plain.updates = policy.cost.verify.updates = 1  # no calibration step
+        policy._next_explore = 10**9  # and no exploration: what retires is the sample and the probes
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    released = []
+    while engine.has_work():
+        engine.step()
+        live = engine.scheduler.active_proposer.live_requests()
+        released.append(sum(1 for r in engine.scheduler.running if r.request_id not in live))
+    for i, (r, ref) in enumerate(zip(reqs, plain)):
+        assert_same_tokens(r.output_ids, ref, f"{model_pair.name} retired-path request {i} (max_tokens {budgets[i]})")
+    assert policy.retirements == len(prompts), f"{policy.retirements} of {len(prompts)} requests retired"
+    if measured:
+        sampled = -(-len(prompts) // PROBE_SAMPLE)
+        assert (policy.probes, policy.unprobed) == (sampled, len(prompts) - sampled), policy.summary()
+    assert max(released) == len(prompts), f"running requests without a drafter context per step: {released}"
+    if graph_mode != "eager":
+        tapless = engine.runner.graphs["decode_plain"].replays
+        assert tapless > 0, "a batch of retired requests should replay the decode graph without taps"
+    _check_clean(engine)

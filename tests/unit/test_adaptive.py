@@ -491,3 +491,53 @@ def test_explorations_are_short_while_later_blocks_fail_position_one():
     pol._next_explore = pol.steps + 1
     spans = pol.choose(batch, [400] * len(batch))
     assert spans == [2] * len(batch), f"spans {spans} after {later} full explorations: a span-2 exploration"
+
+
+def _later_blocks_fail_too(pol: AdaptivePolicy, rid: int) -> int:
+    """Give `pol` (from _policy_with_failing_first_blocks) ample evidence that later blocks fail position 1 as
+    well: requests probed, then explored, each block accepting nothing. Returns the next id."""
+    while pol.estimates.later_tested[0] < SHORT_PROBE_EVIDENCE:
+        pol.observe_acceptance(rid, 2, 0)  # its (short) first block
+        pol.observe_acceptance(rid, 2, 0)  # a later one
+        pol.release(rid)
+        rid += 1
+    return rid
+
+
+def test_requests_retire_only_while_position_one_fails_everywhere():
+    # a retired request never drafts again, so its steps need no tap features (a batch of them runs the decode
+    # graph without taps, H200 run 55: 0.4-1.3% of a step) and its drafter context is freed. Only while first
+    # and later blocks alike fail position 1 on ample evidence (a drafter whose first block fails and later
+    # ones accept, like the trained tiny pair's, must keep being explored), and only on fresh evidence: a
+    # passed-over request waits for a sampled first block observed after it, none accepting position 1
+    pol, rid = _policy_with_failing_first_blocks()
+    batch = list(range(rid, rid + PROBE_SAMPLE))
+    spans = pol.choose(batch, [500] * len(batch))
+    assert spans == [2] + [1] * (PROBE_SAMPLE - 1), f"spans {spans}"
+    pol.observe_acceptance(batch[0], 2, 0)
+    assert pol.choose(batch, [499] * len(batch)) == [1] * len(batch)
+    assert not pol.retired, "later blocks have not been seen failing: nothing retires (the tiny pair's case)"
+
+    pol, rid = _policy_with_failing_first_blocks()
+    rid = _later_blocks_fail_too(pol, rid)
+    batch = list(range(rid, rid + PROBE_SAMPLE))
+    spans = pol.choose(batch, [500] * len(batch))
+    assert spans == [2] + [1] * (PROBE_SAMPLE - 1) and not pol.retired, "nothing seen since the pass-over yet"
+    pol.observe_acceptance(batch[0], 2, 0)  # the sampled probe fails: the sample's verdict stands
+    assert pol.choose(batch, [499] * len(batch)) == [1] * len(batch)
+    assert pol.retired == set(batch) and sorted(pol.take_retired()) == batch and pol.take_retired() == []
+    assert pol.expected(batch[1])[B] < 1.5, "an unretired table is still the first blocks'"
+    pol._next_explore, pol.elapsed_s = pol.steps + 1, 100.0  # an affordable exploration is due
+    newcomer = batch[-1] + 1
+    spans = pol.choose([*batch, newcomer], [498] * len(batch) + [500])
+    assert spans[:-1] == [1] * len(batch), f"spans {spans}: retired requests draft in no exploration"
+    pol.release(batch[0])
+    assert batch[0] not in pol.retired
+
+    pol, rid = _policy_with_failing_first_blocks()
+    rid = _later_blocks_fail_too(pol, rid)
+    batch = list(range(rid, rid + PROBE_SAMPLE))
+    pol.choose(batch, [500] * len(batch))
+    pol.observe_acceptance(batch[0], 2, 1)  # the sampled probe accepted position 1: no verdict on the others
+    pol.choose(batch, [499] * len(batch))
+    assert not pol.retired & set(batch[1:]), f"passed-over requests retired on a probe that accepted: {pol.retired}"
