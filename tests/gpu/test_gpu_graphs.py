@@ -3,7 +3,8 @@ the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass
 
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
 - adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
-  rows per request; all-span-1 steps the decode graph with taps);
+  rows per request; all-span-1 steps the decode graph with taps), and with requests retired from
+  speculation (span 1, no drafter context; a batch of them replays the decode graph without taps);
 - the feature store: what the graphs write there and the drafter reads equals HF's tap outputs (bf16);
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
@@ -99,6 +100,44 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
     assert len(caps) > 1, f"one verify row cap replayed: {caps}"
     failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-c{concurrency}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_gpu_adaptive_retired_requests_lossless(model_pair, mode):
+    """Adaptive requests retired from speculation (position 1 failing everywhere, the bench's tau1.0 profile
+    accepting nothing, which commits the target's own greedy token) ride at span 1 without a drafter context,
+    and a batch of them replays the decode graph without taps: same tokens as the eager plain engine (gate)."""
+    from refengine.config import EngineConfig
+    from refengine.engine import Engine
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+    from tests.golden.test_lossless_adaptive import _seed_position_one_failing
+
+    vocab = 1024 if model_pair.name == "tiny-random" else 4096
+    prompts = _prompts(16, [1, 5, 16, 17, 60, 200], seed=5, vocab=vocab)
+    budgets = [[40, 3, B + 1, 64][i % 4] for i in range(16)]
+    eager = gpu_engine(model_pair.target, graph_mode="eager", max_num_seqs=16)
+    baseline = greedy(eager, prompts, budgets)
+    config = EngineConfig(
+        str(model_pair.target),
+        draft_path=str(model_pair.draft),
+        device="cuda",
+        dtype="bfloat16",
+        attention_backend="flashinfer",
+        num_blocks=8192,  # as gpu_engine's
+        graph_mode=mode,
+        max_num_seqs=16,
+        speculation="adaptive",
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    policy = engine.scheduler.policy
+    assert policy is not None
+    _seed_position_one_failing(policy)
+    out = greedy(engine, prompts, budgets)
+    engine.check_integrity()
+    assert policy.retirements == len(prompts), policy.summary()
+    assert engine.runner.graphs["decode_plain"].replays > 0, "no step replayed the decode graph without taps"
+    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-retired")
     assert not failures, "\n".join(failures)
 
 
