@@ -43,15 +43,12 @@ Model (all online, with priors):
   SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed), a first-step probe is a span-2 block: a verify
   that accepts nothing tests only position 1, whatever its span, so it loses information only when position 1
   accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
-  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). Under that same condition only every
-  PROBE_SAMPLE-th new request is probed: the rest decode plainly from their first step (their table is the
-  first blocks') and are probed as soon as position 1 accepts again. A probe also pays the catch-up of its
-  prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain step, ~1.4% of a 128-token
-  wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so a workload turning good
-  is seen within that many. An exploration is a span-2 block too while later blocks, like the first ones,
-  fail position 1 on ample evidence. So where plain wins, adaptive loses a speculative step per
-  PROBE_SAMPLE requests (per request while evidence is thin or position 1 accepts) plus about
-  EXPLORE_BUDGET to plain decode (and the error of its predictions).
+  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). Under that same condition only a sample
+  of new requests is probed, and once later blocks fail position 1 too, requests retire from speculation
+  (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). An exploration is a span-2 block while
+  later blocks, like the first ones, fail position 1 on ample evidence. So where plain wins, adaptive loses a
+  speculative step per PROBE_SAMPLE requests (per request while evidence is thin or position 1 accepts) plus
+  about EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -63,6 +60,7 @@ from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.policy_summary import policy_summary
+from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
@@ -73,7 +71,6 @@ THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (de
 # accepted nothing is repeated once, unbudgeted like it (see the module docstring)
 SHORT_PROBE_RATE, SHORT_PROBE_EVIDENCE = 0.05, 16.0  # while first blocks accept position 1 at under this rate,
 # tested at least that often (decayed), a first-step probe is a span-2 block (see the module docstring)
-PROBE_SAMPLE = 8  # while first-step probes are short, only every PROBE_SAMPLE-th new request is probed
 
 
 @dataclass
@@ -95,12 +92,7 @@ class AdaptivePolicy:
     regret_s: float = 0.0  # predicted time exploration has cost so far (at most EXPLORE_BUDGET x elapsed_s)
     probes: int = 0  # new requests given a full block to measure their acceptance
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
-    unprobed: int = 0  # new requests passed over by the probe sample (PROBE_SAMPLE)
-    _passed: dict[int, int] = field(default_factory=dict)  # live requests passed over (probed once the sample
-    # lifts) -> the first blocks observed by then
-    _first_seen: int = 0  # first drafting steps observed (first blocks)
-    _first_accept_at: int = 0  # _first_seen at the last first block that accepted position 1
-    _new_seen: int = 0  # new requests the sample has counted
+    sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
@@ -115,9 +107,6 @@ class AdaptivePolicy:
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
     _reused: bool = False  # the last choose took that fast path
-    retired: set[int] = field(default_factory=set)  # live requests retired from speculation (see _retire)
-    retirements: int = 0  # requests retired so far
-    _newly_retired: list[int] = field(default_factory=list)  # retired since the scheduler last took them
 
     def __post_init__(self) -> None:
         self.estimates = AcceptanceEstimates(self.block_size)
@@ -136,8 +125,8 @@ class AdaptivePolicy:
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
-        self.explored, self.searched, self.probes, self.unprobed, self.caps = 0, 0, 0, 0, Counter()
-        self.retirements = 0
+        self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
+        self.sample.unprobed = self.sample.retirements = 0
         self._decisions_before = self.steps
 
     def expected(self, req_id: int) -> Table:
@@ -153,36 +142,34 @@ class AdaptivePolicy:
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
         return spans
 
+    @property
+    def retired(self) -> set[int]:
+        """Live requests retired from speculation (refengine/spec_decode/probe_sample.py)."""
+        return self.sample.retired
+
+    @property
+    def unprobed(self) -> int:
+        return self.sample.unprobed
+
+    @property
+    def retirements(self) -> int:
+        return self.sample.retirements
+
     def take_retired(self) -> list[int]:
-        """Requests retired since the last call: the scheduler releases their drafter contexts; from now on
-        they decode plainly (span 1 whatever the batch) and their rows are not captured."""
-        out, self._newly_retired = self._newly_retired, []
-        return out
+        """Requests retired since the last call: the scheduler frees their drafter contexts; from now on they
+        decode plainly (span 1 whatever the batch) and their rows are not captured."""
+        return self.sample.take_retired()
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
-        """While position 1 fails in first and later blocks alike (on ample evidence), a request the decision
-        leaves at span 1 after its own probe (or passed over by the probe sample), and not being probed on, is
-        retired: it will not draft again, so its steps need no tap features and its drafter context is freed.
-        A batch of retired requests then runs plain decode's own step (the decode graph without taps; writing
-        them was 0.4-1.3% of a step on the H200, run 55), with no policy, cost sample or drafter bookkeeping.
-        The probe sample still tests position 1 on every PROBE_SAMPLE-th new request, so a workload turning
-        good is seen; the requests retired before stay plain for the rest of their generation."""
-        d, done = self.last, False
+        """While position 1 fails in first and later blocks alike: retire the requests the decision leaves at
+        span 1 on evidence of their own or fresh (probe_sample.py says which, and why)."""
+        d, out = self.last, self.sample
         for i, (r, s) in enumerate(zip(req_ids, spans)):
-            if s != 1 or r in self.retired or (d is not None and d.spans[i] != 1):
+            if s != 1 or r in out.retired or (d is not None and d.spans[i] != 1):
                 continue  # drafting now, retired already, or a plain exploration of a speculating choice
-            if r in self.drafted:
-                settled = self.drafted[r][1] == 0 and not self._probing(r)  # its own last block accepted nothing
-            else:  # passed over: a first block observed since then, none accepting position 1
-                seen = self._passed.get(r)
-                settled = seen is not None and self._first_accept_at <= seen < self._first_seen
-            if settled:
-                self.retired.add(r)
-                self._newly_retired.append(r)
-                self.retirements += 1
-                done = True
-        if done:
-            self._version += 1  # their tables are now flat: the cached decision and tables are stale
+            if out.settled(r, self.drafted.get(r), self._probing(r)):
+                out.retire(r)
+                self._version += 1  # its table is now flat: the cached decision and tables are stale
 
     def reuse_plain(self, min_remaining: int) -> bool:
         """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
@@ -266,11 +253,11 @@ class AdaptivePolicy:
             for i, r in enumerate(req_ids)
             if d.spans[i] < min(b, remaining[i])
             and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
-            and not (short and r in self._passed)
+            and not (short and self.sample.passed(r))
             and r not in self.retired
         ]
         if short and new:
-            new = self._sample(req_ids, new)
+            new = self.sample.sample(req_ids, new)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few)
             spans = list(d.spans)
@@ -321,20 +308,6 @@ class AdaptivePolicy:
         """Later blocks, too, accept position 1 at under SHORT_PROBE_RATE on ample evidence."""
         est = self.estimates
         return est.later_tested[0] >= SHORT_PROBE_EVIDENCE and est.population_rates()[0] < SHORT_PROBE_RATE
-
-    def _sample(self, req_ids: list[int], new: list[int]) -> list[int]:
-        """The new requests (indices) probed while first-step probes are short: every PROBE_SAMPLE-th of them
-        in arrival order, the first one included; the others are passed over (plain from their first step,
-        at the first blocks' table) until the sample lifts, when they are probed like any new request."""
-        kept = []
-        for i in new:
-            if self._new_seen % PROBE_SAMPLE == 0:
-                kept.append(i)
-            else:
-                self._passed[req_ids[i]] = self._first_seen
-                self.unprobed += 1
-            self._new_seen += 1
-        return kept
 
     def _budget(self, remaining: list[int]) -> float:
         """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus
@@ -403,11 +376,9 @@ class AdaptivePolicy:
             return  # no drafts: nothing learnt about acceptance
         # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
         # before (then a later block, as an exploration's of a probed request is)
-        first = req_id not in self.drafted and req_id not in self._passed
-        if first:  # (what a passed-over request's retirement waits on)
-            self._first_seen += 1
-            if accepted:
-                self._first_accept_at = self._first_seen
+        first = req_id not in self.drafted and not self.sample.passed(req_id)
+        if first:
+            self.sample.observe_first_block(accepted)
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
@@ -415,8 +386,7 @@ class AdaptivePolicy:
     def release(self, req_id: int) -> None:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
-        self._passed.pop(req_id, None)
-        self.retired.discard(req_id)
+        self.sample.release(req_id)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms; policy_summary.py)."""

@@ -109,7 +109,7 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-    from refengine.spec_decode.adaptive import PROBE_SAMPLE
+    from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 
     prompts = _prompts(model_pair, 12, seed=9)
     budgets = [BUDGETS[i % len(BUDGETS)] + 20 for i in range(len(prompts))]

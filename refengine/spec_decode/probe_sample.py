@@ -1,0 +1,84 @@
+"""Adaptive speculation's probe sample and retirements (pure Python): which new requests are probed while the
+first blocks fail position 1, and which requests stop speculating for good.
+
+The sample. While the first blocks accept position 1 at under SHORT_PROBE_RATE on ample evidence (see
+refengine/spec_decode/adaptive.py), only every PROBE_SAMPLE-th new request is probed: the rest decode plainly
+from their first step (their table is the first blocks') and are probed as soon as position 1 accepts again. A
+probe also pays the catch-up of its prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain
+step, ~1.4% of a 128-token wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so
+a workload turning good is seen within that many.
+
+Retirement. While position 1 fails in later blocks too (on ample evidence), a request the decision leaves at
+span 1 is retired once the evidence is its own or fresh: its own last block accepted nothing (and it is not
+being probed on), or it was passed over by the sample and a first block observed since then failed, with none
+accepting position 1. A retired request never drafts again: its steps need no tap features, the scheduler
+frees its drafter context, and it rides along at span 1 in any plan; a batch of retired requests runs plain
+decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of a step on the H200, run 55)
+with no policy, cost sample or drafter bookkeeping. The requests retired stay plain for the rest of their
+generation; a workload turning good is seen by the sample's probes of new requests. Only with later blocks
+failing too: a drafter whose first block after the prompt fails and later ones accept (the trained tiny pair's
+first blocks, 0-3 accepted against 15) must keep being explored. Only on fresh evidence: retired at the
+pass-over, a wave of requests arriving as the workload turned good stayed plain (simulation, c8, acceptance 0
+then 0.85: 0.79 of the better mode, against 1.04 without retirement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROBE_SAMPLE = 8  # while first-step probes are short, only every PROBE_SAMPLE-th new request is probed
+
+
+@dataclass
+class ProbeSample:
+    unprobed: int = 0  # new requests passed over by the sample
+    retirements: int = 0  # requests retired so far
+    retired: set[int] = field(default_factory=set)  # live requests retired from speculation
+    _passed: dict[int, int] = field(default_factory=dict)  # live requests passed over -> first blocks seen by then
+    _new_seen: int = 0  # new requests the sample has counted
+    _first_seen: int = 0  # first blocks observed
+    _first_accept_at: int = 0  # _first_seen at the last first block that accepted position 1
+    _newly_retired: list[int] = field(default_factory=list)  # since the scheduler last took them
+
+    def passed(self, req_id: int) -> bool:
+        return req_id in self._passed
+
+    def sample(self, req_ids: list[int], new: list[int]) -> list[int]:
+        """The new requests (indices into req_ids) probed while first-step probes are short: every
+        PROBE_SAMPLE-th of them in arrival order, the first one included; the others are passed over."""
+        kept = []
+        for i in new:
+            if self._new_seen % PROBE_SAMPLE == 0:
+                kept.append(i)
+            else:
+                self._passed[req_ids[i]] = self._first_seen
+                self.unprobed += 1
+            self._new_seen += 1
+        return kept
+
+    def observe_first_block(self, accepted: int) -> None:
+        """A request's first block was verified, `accepted` drafts accepted."""
+        self._first_seen += 1
+        if accepted:
+            self._first_accept_at = self._first_seen
+
+    def settled(self, req_id: int, last_drafted: tuple[int, int] | None, probing: bool) -> bool:
+        """The evidence on a request the decision leaves at span 1 is its own or fresh (see the module
+        docstring). `last_drafted`: its (drafting steps, last accepted), None if it never drafted."""
+        if last_drafted is not None:
+            return last_drafted[1] == 0 and not probing
+        seen = self._passed.get(req_id)
+        return seen is not None and self._first_accept_at <= seen < self._first_seen
+
+    def retire(self, req_id: int) -> None:
+        self.retired.add(req_id)
+        self._newly_retired.append(req_id)
+        self.retirements += 1
+
+    def take_retired(self) -> list[int]:
+        out, self._newly_retired = self._newly_retired, []
+        return out
+
+    def release(self, req_id: int) -> None:
+        self._passed.pop(req_id, None)
+        self.retired.discard(req_id)
