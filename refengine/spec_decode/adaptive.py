@@ -230,9 +230,11 @@ class AdaptivePolicy:
             self.explored += 1  # calibration: the other kind's curve has never been measured
             return [1] * n if spec else [max(1, min(b, r)) for r in remaining]
         budget = None
-        short = self._short_probes()
+        est = self.estimates
+        probe = self._tested_span(est.first_block_rates(), est.tested)  # a first-step probe's span
+        short = probe == 2  # position 1 fails in first blocks: the probe sample applies
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
-            span = 2 if short and self._later_position_one_fails() else b  # (short as a first-step probe is)
+            span = self._tested_span(est.population_rates(), est.later_tested)  # (as a probe's, in later blocks)
             out = self.retired  # (retired requests draft in no exploration)
             trial = [1] * n if spec else [1 if r in out else max(1, min(span, k)) for r, k in zip(req_ids, remaining)]
             budget = self._budget(remaining)
@@ -251,7 +253,7 @@ class AdaptivePolicy:
         new = [
             i
             for i, r in enumerate(req_ids)
-            if d.spans[i] < min(b, remaining[i])
+            if d.spans[i] < min(probe, remaining[i])
             and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
             and not (short and self.sample.passed(r))
             and r not in self.retired
@@ -259,9 +261,9 @@ class AdaptivePolicy:
         if short and new:
             new = self.sample.sample(req_ids, new)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
-            # and evidence on every position (spans chosen short test only the first few)
+            # and evidence on every position (spans chosen short test only the first few), up to the first
+            # position known to fail (_tested_span)
             spans = list(d.spans)
-            probe = 2 if short else b
             for i in new:
                 spans[i] = min(probe, remaining[i])
             self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
@@ -294,6 +296,17 @@ class AdaptivePolicy:
         self.searched += d.searched and not reused
         self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
+
+    def _tested_span(self, rates: list[float], tested: list[float]) -> int:
+        """The span that tests positions 1..k, k the first position accepting at under SHORT_PROBE_RATE on
+        SHORT_PROBE_EVIDENCE tests (decayed): a block rejected there tests nothing past it, and positions past
+        it are reached in under that share of blocks. A full block when no position is known to fail. (The bench's
+        tau 1.3 profile accepts position 1 in 30% of blocks and never position 2: probes of span 3, against 16;
+        at c32 on Qwen3-4B shapes a 128-row verify instead of 512.)"""
+        for k, (rate, t) in enumerate(zip(rates, tested), start=1):
+            if t >= SHORT_PROBE_EVIDENCE and rate < SHORT_PROBE_RATE:
+                return k + 1
+        return self.block_size
 
     def _short_probes(self) -> bool:
         """First-step probes are span-2 blocks: the first blocks' position-1 rate is low, on ample evidence."""

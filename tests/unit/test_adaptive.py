@@ -541,3 +541,30 @@ def test_requests_retire_only_while_position_one_fails_everywhere():
     pol.observe_acceptance(batch[0], 2, 1)  # the sampled probe accepted position 1: no verdict on the others
     pol.choose(batch, [499] * len(batch))
     assert not pol.retired & set(batch[1:]), f"passed-over requests retired on a probe that accepted: {pol.retired}"
+
+
+def test_probes_and_explorations_stop_at_the_first_failing_position():
+    # the bench's tau 1.3 profile: position 1 accepts in 30% of blocks, position 2 never. A block rejected at
+    # position 2 tests nothing past it, so once that is known (ample evidence) a new request's probe and an
+    # exploration draft span 3 instead of a full block (at c32 on Qwen3-4B shapes a 128-row verify, not 512)
+    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1
+    pol._next_explore = 10**9
+    rng, rid = random.Random(3), 0
+    while pol.estimates.tested[1] < SHORT_PROBE_EVIDENCE:
+        assert pol.choose([rid], [500]) == [B], f"request {rid}: position 2 not known to fail yet, a full block"
+        pol.observe_acceptance(rid, B, int(rng.random() < 0.3))
+        pol.release(rid)
+        rid += 1
+    rates = pol.estimates.first_block_rates()
+    assert rates[0] > SHORT_PROBE_RATE > rates[1], rates[:3]
+    assert pol.choose([rid], [500]) == [3], "a probe tests positions 1 and 2 only"
+    batch = list(range(rid + 1, rid + 5))
+    for r in batch:
+        pol.observe_acceptance(r, 3, 0)  # their first blocks
+    while pol.estimates.later_tested[1] < SHORT_PROBE_EVIDENCE:
+        for r in batch:
+            pol.observe_acceptance(r, 3, int(rng.random() < 0.3))
+    pol._next_explore, pol.elapsed_s = pol.steps + 1, 100.0
+    spans = pol.choose(batch, [400] * len(batch))
+    assert set(spans) <= {1, 3} and 3 in spans, f"spans {spans}: an exploration drafts span 3"
