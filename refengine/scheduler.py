@@ -315,19 +315,19 @@ class Scheduler(StepRecovery):
                 self._drop(req)
                 self._done.append(req)
         seq_len = self.pool.seq_len
-        context_rows = self.proposer.context_rows if self.proposer is not None else None
-        every_eligible = self._stretch_of(plan) is not None  # (a stretch's requests all speculate)
+        # a decode plan needs no drafter check: commit_step appended each captured row only where its request's
+        # context ended (so it now ends at the new KV length), and a decode plan that captures nothing holds no
+        # speculating request (~0.4 us a request a step; dev CPU, forward mocked, c32: 100 -> 87 us, plain 78)
+        context_rows = (
+            self.proposer.context_rows if self.proposer is not None and not isinstance(plan, DecodePlan) else None
+        )
         for req in plan.requests:
             if req.finished:
                 continue
             kv = seq_len[req.request_id]
             if kv != req.committed_len:
                 raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
-            if (
-                context_rows is not None
-                and (every_eligible or self.speculates(req))
-                and context_rows(req.request_id) != kv
-            ):
+            if context_rows is not None and self.speculates(req) and context_rows(req.request_id) != kv:
                 raise AlignmentError(
                     f"request {req.request_id}: drafter context rows "
                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"
