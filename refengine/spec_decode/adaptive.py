@@ -43,12 +43,13 @@ Model (all online, with priors):
   SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed), a first-step probe is a span-2 block: a verify
   that accepts nothing tests only position 1, whatever its span, so it loses information only when position 1
   accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
-  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). Under that same condition only a sample
-  of new requests is probed, and once later blocks fail position 1 too, requests retire from speculation
-  (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). An exploration is a span-2 block while
-  later blocks, like the first ones, fail position 1 on ample evidence. So where plain wins, adaptive loses a
-  speculative step per PROBE_SAMPLE requests (per request while evidence is thin or position 1 accepts) plus
-  about EXPLORE_BUDGET to plain decode (and the error of its predictions).
+  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). More generally a probe or an exploration
+  drafts up to the first position known to fail (_tested_span). Under that same condition only a sample of
+  new requests is probed (in a batch of PROBE_SAMPLE or more), and once later blocks fail position 1 too,
+  requests retire from speculation (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). So
+  where plain wins, adaptive loses a speculative step per PROBE_SAMPLE requests (per request in small
+  batches, while evidence is thin or position 1 accepts) plus about EXPLORE_BUDGET to plain decode (and the
+  error of its predictions).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.policy_summary import policy_summary
-from refengine.spec_decode.probe_sample import ProbeSample
+from refengine.spec_decode.probe_sample import PROBE_SAMPLE, ProbeSample
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
@@ -258,7 +259,7 @@ class AdaptivePolicy:
             and not (short and self.sample.passed(r))
             and r not in self.retired
         ]
-        if short and new:
+        if short and new and len(req_ids) >= PROBE_SAMPLE:  # (a batch of fewer: every new request)
             new = self.sample.sample(req_ids, new)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few), up to the first

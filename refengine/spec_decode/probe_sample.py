@@ -2,7 +2,10 @@
 first blocks fail position 1, and which requests stop speculating for good.
 
 The sample. While the first blocks accept position 1 at under SHORT_PROBE_RATE on ample evidence (see
-refengine/spec_decode/adaptive.py), only every PROBE_SAMPLE-th new request is probed: the rest decode plainly
+refengine/spec_decode/adaptive.py), in a batch of PROBE_SAMPLE requests or more, only every PROBE_SAMPLE-th new
+request is probed (in a smaller batch every one: at c1, sampled, a workload turning good was seen only every
+PROBE_SAMPLE-th request; in simulation, acceptance 0.85 after a long stretch of 0: 0.24 of the better mode,
+against 0.70 probing each): the rest decode plainly
 from their first step (their table is the first blocks') and are probed as soon as position 1 accepts again. A
 probe also pays the catch-up of its prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain
 step, ~1.4% of a 128-token wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so
@@ -11,7 +14,8 @@ a workload turning good is seen within that many.
 Retirement. While position 1 fails in later blocks too (on ample evidence), a request the decision leaves at
 span 1 is retired once the evidence is its own or fresh: its own last block accepted nothing (and it is not
 being probed on), or it was passed over by the sample and a first block observed since then failed, with none
-accepting position 1. A retired request never drafts again: its steps need no tap features, the scheduler
+accepting position 1 (a request passed over with none probed beside it, as at c1: the latest first block
+failed). A retired request never drafts again: its steps need no tap features, the scheduler
 frees its drafter context, and it rides along at span 1 in any plan; a batch of retired requests runs plain
 decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of a step on the H200, run 55)
 with no policy, cost sample or drafter bookkeeping. The requests retired stay plain for the rest of their
@@ -46,14 +50,19 @@ class ProbeSample:
     def sample(self, req_ids: list[int], new: list[int]) -> list[int]:
         """The new requests (indices into req_ids) probed while first-step probes are short: every
         PROBE_SAMPLE-th of them in arrival order, the first one included; the others are passed over."""
-        kept = []
+        kept, passed = [], []
         for i in new:
             if self._new_seen % PROBE_SAMPLE == 0:
                 kept.append(i)
             else:
-                self._passed[req_ids[i]] = self._first_seen
+                passed.append(req_ids[i])
                 self.unprobed += 1
             self._new_seen += 1
+        # what a passed-over request's retirement waits for: the first block of a request probed with it, or,
+        # when none is (requests arriving one at a time), none: the latest first block seen must have failed
+        seen = self._first_seen if kept else self._first_seen - 1
+        for r in passed:
+            self._passed[r] = seen
         return kept
 
     def observe_first_block(self, accepted: int) -> None:

@@ -568,3 +568,30 @@ def test_probes_and_explorations_stop_at_the_first_failing_position():
     pol._next_explore, pol.elapsed_s = pol.steps + 1, 100.0
     spans = pol.choose(batch, [400] * len(batch))
     assert set(spans) <= {1, 3} and 3 in spans, f"spans {spans}: an exploration drafts span 3"
+
+
+def test_small_batches_probe_every_new_request_and_lone_passes_retire_at_once():
+    # the sample only thins probes in a batch of PROBE_SAMPLE or more: at c1 a request arrives alone, and
+    # sampled, a workload turning good was seen only every PROBE_SAMPLE-th request (simulation, c1 after a
+    # long acceptance-0 stretch, then 0.85: 0.24 of the better mode against 0.70 probing each). A request passed
+    # over with no request probed beside it retires at once when the latest first block failed: no probe of
+    # its own wave is coming (one arriving into a running batch)
+    pol, rid = _policy_with_failing_first_blocks()
+    rid = _later_blocks_fail_too(pol, rid)
+    for r in (rid, rid + 1):  # requests arriving one at a time into a batch of one: each is probed
+        assert pol.choose([r], [500]) == [2], f"request {r}: a batch of one, its new request is probed (span 2)"
+        pol.observe_acceptance(r, 2, 0)
+        assert pol.choose([r], [499]) == [1] and r in pol.retired, "its own probe failed: retired"
+        pol.release(r)
+    rid += 1
+    batch = list(range(rid + 1, rid + 1 + PROBE_SAMPLE))
+    assert pol.choose(batch, [500] * len(batch)) == [2] + [1] * (PROBE_SAMPLE - 1)
+    pol.observe_acceptance(batch[0], 2, 0)
+    pol.choose(batch, [499] * len(batch))
+    assert set(batch) <= pol.retired
+    joined = batch + [batch[-1] + 1]  # one more request arrives: the sample's next probe
+    assert pol.choose(joined, [498] * len(batch) + [500])[-1] == 2
+    pol.observe_acceptance(joined[-1], 2, 0)
+    lone = joined + [joined[-1] + 1]  # and another, passed over with no probe beside it
+    spans = pol.choose(lone, [497] * len(batch) + [499, 500])
+    assert spans[-1] == 1 and lone[-1] in pol.retired, f"spans {spans}: the lone passed-over request retires"
