@@ -72,7 +72,7 @@ class SamplingParams:
 class SpecStats:
     """Acceptance statistics: tau = committed tokens per verify step (adaptive mode's plain steps count as
     span-1 steps of one token; while a plain stretch is open, a running request's are written when it closes:
-    refengine/spec_decode/plain_stretch.py)."""
+    refengine/spec_decode/plain_stretch.py; those after it retired from speculation, when it finishes)."""
 
     verify_steps: int = 0
     committed_tokens: int = 0

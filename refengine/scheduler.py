@@ -62,6 +62,9 @@ class Scheduler(StepRecovery):
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self.costs = CostSamples(self.policy) if self.policy is not None else None  # its step-cost samples
         self._stretch: PlainStretch | None = None  # adaptive: the open plain stretch (spec_decode/plain_stretch.py)
+        # adaptive: requests retired from speculation -> their output length then; their span-1 steps since are
+        # written into their SpecStats in one call when they leave (no per-request record a step)
+        self._retired_at: dict[int, int] = {}
 
     def bind_timings(
         self,
@@ -134,6 +137,9 @@ class Scheduler(StepRecovery):
         self.waiting = deque(r for r in self.waiting if r is not req)
         self.running = [r for r in self.running if r is not req]
         self.pool.release(req.request_id)
+        retired_at = self._retired_at.pop(req.request_id, None)
+        if retired_at is not None and len(req.output_ids) > retired_at:  # one token a step since it retired
+            req.spec.record(1, 1, times=len(req.output_ids) - retired_at)
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         if self.policy is not None:
@@ -200,8 +206,12 @@ class Scheduler(StepRecovery):
                     self.plan_counts["decode"] += 1
                     return DecodePlan(spec)
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
-                for rid in self.policy.take_retired():
-                    self.active_proposer.release(rid)  # it drafts no more: its rows are not captured
+                newly = self.policy.take_retired()
+                if newly:
+                    out_len = {r.request_id: len(r.output_ids) for r in spec}
+                    for rid in newly:
+                        self.active_proposer.release(rid)  # it drafts no more: its rows are not captured
+                        self._retired_at[rid] = out_len[rid]
                 if retired:
                     uncaptured = frozenset(r.request_id for r in spec if r.request_id in retired)
                 if self.costs is not None:

@@ -138,6 +138,8 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
     for i, (r, ref) in enumerate(zip(reqs, plain)):
         assert_same_tokens(r.output_ids, ref, f"{model_pair.name} retired-path request {i} (max_tokens {budgets[i]})")
     assert policy.retirements == len(prompts), f"{policy.retirements} of {len(prompts)} requests retired"
+    steps = [(r.spec.committed_tokens, r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
+    assert all(c == v == n for c, v, n in steps), f"stats (tokens, steps, decoded) per request: {steps}"
     if measured:
         sampled = -(-len(prompts) // PROBE_SAMPLE)
         assert (policy.probes, policy.unprobed) == (sampled, len(prompts) - sampled), policy.summary()
