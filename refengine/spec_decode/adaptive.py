@@ -43,13 +43,13 @@ Model (all online, with priors):
   SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed), a first-step probe is a span-2 block: a verify
   that accepts nothing tests only position 1, whatever its span, so it loses information only when position 1
   accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
-  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). More generally a probe or an exploration
-  drafts up to the first position known to fail (_tested_span). Under that same condition only a sample of
-  new requests is probed (in a batch of PROBE_SAMPLE or more), and once later blocks fail position 1 too,
-  requests retire from speculation (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). So
-  where plain wins, adaptive loses a speculative step per PROBE_SAMPLE requests (per request in small
-  batches, while evidence is thin or position 1 accepts) plus about EXPLORE_BUDGET to plain decode (and the
-  error of its predictions).
+  rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). More generally a probe or an
+  exploration drafts up to the first position known to fail (AcceptanceEstimates.failing_span). Under that
+  same condition only a sample of new requests is probed (in a batch of PROBE_SAMPLE or more), and once
+  later blocks fail position 1 too, requests retire from speculation (refengine/spec_decode/probe_sample.py:
+  PROBE_SAMPLE, retirement). So where plain wins, adaptive loses a speculative step per PROBE_SAMPLE
+  requests (per request in small batches, while evidence is thin or position 1 accepts) plus about
+  EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -70,8 +70,6 @@ EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measure
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
 THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (decayed), a first-step probe that
 # accepted nothing is repeated once, unbudgeted like it (see the module docstring)
-SHORT_PROBE_RATE, SHORT_PROBE_EVIDENCE = 0.05, 16.0  # while first blocks accept position 1 at under this rate,
-# tested at least that often (decayed), a first-step probe is a span-2 block (see the module docstring)
 
 
 @dataclass
@@ -231,11 +229,10 @@ class AdaptivePolicy:
             self.explored += 1  # calibration: the other kind's curve has never been measured
             return [1] * n if spec else [max(1, min(b, r)) for r in remaining]
         budget = None
-        est = self.estimates
-        probe = self._tested_span(est.first_block_rates(), est.tested)  # a first-step probe's span
+        probe = self.estimates.failing_span()  # a first-step probe's span: up to the first position known to fail
         short = probe == 2  # position 1 fails in first blocks: the probe sample applies
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
-            span = self._tested_span(est.population_rates(), est.later_tested)  # (as a probe's, in later blocks)
+            span = self.estimates.failing_span(later=True)  # (as a probe's, in later blocks)
             out = self.retired  # (retired requests draft in no exploration)
             trial = [1] * n if spec else [1 if r in out else max(1, min(span, k)) for r, k in zip(req_ids, remaining)]
             budget = self._budget(remaining)
@@ -298,30 +295,9 @@ class AdaptivePolicy:
         self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
 
-    def _tested_span(self, rates: list[float], tested: list[float]) -> int:
-        """The span that tests positions 1..k, k the first position accepting at under SHORT_PROBE_RATE on
-        SHORT_PROBE_EVIDENCE tests (decayed): a block rejected there tests nothing past it, and positions past
-        it are reached in under that share of blocks. A full block when no position is known to fail. (The bench's
-        tau 1.3 profile accepts position 1 in 30% of blocks and never position 2: probes of span 3, against 16;
-        at c32 on Qwen3-4B shapes a 128-row verify instead of 512.)"""
-        for k, (rate, t) in enumerate(zip(rates, tested), start=1):
-            if t >= SHORT_PROBE_EVIDENCE and rate < SHORT_PROBE_RATE:
-                return k + 1
-        return self.block_size
-
-    def _short_probes(self) -> bool:
-        """First-step probes are span-2 blocks: the first blocks' position-1 rate is low, on ample evidence."""
-        est = self.estimates
-        return est.tested[0] >= SHORT_PROBE_EVIDENCE and est.first_block_rates()[0] < SHORT_PROBE_RATE
-
     def _position_one_fails(self) -> bool:
         """First and later blocks alike accept position 1 at under SHORT_PROBE_RATE, on ample evidence."""
-        return self._short_probes() and self._later_position_one_fails()
-
-    def _later_position_one_fails(self) -> bool:
-        """Later blocks, too, accept position 1 at under SHORT_PROBE_RATE on ample evidence."""
-        est = self.estimates
-        return est.later_tested[0] >= SHORT_PROBE_EVIDENCE and est.population_rates()[0] < SHORT_PROBE_RATE
+        return self.estimates.failing_span() == 2 and self.estimates.failing_span(later=True) == 2
 
     def _budget(self, remaining: list[int]) -> float:
         """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus

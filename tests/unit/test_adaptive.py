@@ -18,14 +18,15 @@ import pytest
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
 from refengine.runner.graphs import batch_buckets, row_caps
-from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, geometric_table, table_from_rates
-from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import (
+from refengine.spec_decode.acceptance_estimate import (
     SHORT_PROBE_EVIDENCE,
     SHORT_PROBE_RATE,
-    THIN_EVIDENCE,
-    AdaptivePolicy,
+    AcceptanceEstimates,
+    geometric_table,
+    table_from_rates,
 )
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel, _solve
