@@ -4,7 +4,8 @@ staging, in the drafter-context allocation at admission, or a malformed result, 
 and finish with FinishReason.ERROR (the exception in the message) if their second step fails too. A fault
 inside commit finishes the plan's unfinished requests with ERROR. In every case step() does not raise, every
 other request produces exactly its bs=1 output, new requests are served, integrity holds after every step
-(conftest) and the pool drains to fully free. Also: check_integrity names the disagreements it must catch.
+(conftest) and the pool drains to fully free. The same around adaptive requests retired from speculation.
+Also: check_integrity names the disagreements it must catch.
 
 Run: python -m pytest -q tests/unit/test_step_faults.py
 """
@@ -120,6 +121,39 @@ def test_speculative_fault_once_is_lossless(random_pair, refs, point, after):
     _drain(engine)
     assert inj.fired == 1
     _exact(reqs, refs, range(4))
+
+
+@pytest.mark.parametrize("point,at,after", [("decode", 0, False), ("decode", 2, True), ("verify", 0, True)])
+def test_faults_around_retired_requests_are_lossless(random_pair, refs, point, at, after):
+    """Adaptive requests retired from speculation (no drafter context, span 1, rows not captured): a fault in
+    their decode step (plain decode's own) or in the probe step of a newcomer they ride along in (a verify
+    with uncaptured rows) rolls back and retries like any other; the outputs stay exact, their stats
+    complete, nothing leaks."""
+    from refengine import Engine, EngineConfig
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+    from tests.golden.test_lossless_adaptive import _seed_position_one_failing
+
+    config = EngineConfig(
+        str(random_pair.target), draft_path=str(random_pair.draft), device="cpu", speculation="adaptive"
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    policy = engine.scheduler.policy
+    assert policy is not None
+    _seed_position_one_failing(policy)
+    policy.cost.plain.updates = policy.cost.verify.updates = 1  # no calibration: probes, then retirement
+    policy._next_explore = 10**9
+    reqs = [_add(engine, i) for i in range(3)]
+    while policy.retirements < 3:  # each probed (a batch under PROBE_SAMPLE), failed, retired
+        engine.step()
+    inj = FaultInjector(engine, point, at=at, after=after)
+    reqs.append(_add(engine, 3))  # a newcomer: its probe verifies beside the retired requests
+    _drain(engine)
+    assert inj.fired == 1 and policy.retirements == 4, (inj.fired, policy.summary())
+    if point == "verify":  # the newcomer's probe, with every unfinished retired request riding along
+        assert len(inj.affected) > 1, f"the failed plan held {sorted(inj.affected)}"
+    _exact(reqs, refs, range(4))
+    steps = [(r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
+    assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
 
 
 def test_commit_fault_errors_only_its_plan(random_pair, refs):
