@@ -1,7 +1,9 @@
 """Continuous batching: admission, and one plan per step (Prefill, Decode or Verify), then commit.
 
 Eligible (speculating) and ineligible requests take turns in separate plans, so one never switches
-speculation off for the other. Every KV reservation of a step is made here, before the runner executes.
+speculation off for the other. Eligible requests the adaptive policy retired from speculation stay in the
+eligible plans at span 1, uncaptured (spec_decode/probe_sample.py); a plan of retired requests only is plain
+decode's own step. Every KV reservation of a step is made here, before the runner executes.
 
 A step is a transaction (Engine.step). If executing a plan fails (the forward, the proposer, a malformed
 result) or admission fails (a drafter context cannot be allocated), rollback() undoes every change the plan
