@@ -26,7 +26,8 @@ from refengine.spec_decode.acceptance_estimate import (
     table_from_rates,
 )
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import THIN_EVIDENCE, AdaptivePolicy
+from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.exploration import THIN_EVIDENCE
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.span_choice import _spec_bound, choose_spans
 from refengine.spec_decode.step_costs import CostModel, _solve

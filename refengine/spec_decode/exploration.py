@@ -1,0 +1,167 @@
+"""Adaptive speculation's exploration and probes (a mixin of AdaptivePolicy, refengine/spec_decode/adaptive.py):
+when a step tries the losing kind, and which requests draft a block to measure their acceptance.
+
+Exploration, within a budget: its predicted regret (an exploring step's time minus the time the chosen
+spans need for the same expected tokens) may total at most EXPLORE_BUDGET of the measured step time so
+far plus the live requests' remaining work at plain speed. Each curve is measured once at start-up
+(calibration); then the losing kind (plain vs. speculating at full span) is tried every `interval` steps,
+the interval doubling (MIN_EXPLORE .. MAX_EXPLORE) while the choice holds and dropping back when it
+flips; and requests the choice leaves at span 1 are probed with a full block while they are new (up to
+PROBE_STEPS drafting steps, as long as each accepts something), as many as the budget affords. The first
+of those probes is not budgeted (its regret is counted apart, `probe_regret_s`, and never spends the
+budget: charged to it, a few hundred new requests left the budget negative for good, and a workload whose
+first blocks accept poorly stayed plain while fixed spans ran 3.4x faster; tests/unit/test_adaptive.py):
+every request drafts a full block on its first step (also when the choice gives it a shorter span: a
+short span tests only the first positions), so the population's rates follow the requests now running,
+at every position. While the population's evidence is thin (position 1 tested fewer than THIN_EVIDENCE
+times, decayed), a first-step probe that accepted nothing is repeated once, unbudgeted too: the trained tiny
+pair's first block after the prompt accepts nothing and its later ones mostly all 15, so in a fresh process
+one probe settled c1 at plain while fixed DFlash ran 3.6x faster (H200, run 43); in simulation that case
+went from 0.48 to 1.0 of the better mode. It costs at most a few extra probes until the population has
+seen THIN_EVIDENCE first blocks (one wave at c8 or more). While the first blocks accept position 1 at under
+SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed), a first-step probe is a span-2 block: a verify
+that accepts nothing tests only position 1, whatever its span, so it loses information only when position 1
+accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
+rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). More generally a probe or an
+exploration drafts up to the first position known to fail (AcceptanceEstimates.failing_span). Under that
+same condition only a sample of new requests is probed (in a batch of PROBE_SAMPLE or more), and once
+later blocks fail position 1 too, requests retire from speculation (refengine/spec_decode/probe_sample.py:
+PROBE_SAMPLE, retirement). So where plain wins, adaptive loses a speculative step per PROBE_SAMPLE
+requests (per request in small batches, while evidence is thin or position 1 accepts) plus about
+EXPLORE_BUDGET to plain decode (and the error of its predictions).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.probe_sample import PROBE_SAMPLE, ProbeSample
+from refengine.spec_decode.span_choice import Decision, RowsFn, Table
+from refengine.spec_decode.step_costs import CostModel
+
+PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
+EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
+MIN_EXPLORE, MAX_EXPLORE = 16, 256
+THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (decayed), a first-step probe that
+# accepted nothing is repeated once, unbudgeted like it (see the module docstring)
+
+
+class Exploration:
+    # what AdaptivePolicy provides
+    block_size: int
+    cost: CostModel
+    rows: RowsFn
+    estimates: AcceptanceEstimates
+    drafted: dict[int, tuple[int, int]]
+    sample: ProbeSample
+    steps: int
+    elapsed_s: float
+    regret_s: float
+    probes: int
+    probe_regret_s: float
+    interval: int
+    explored: int
+    caps: Counter
+    _next_explore: int
+    _explored_kind: bool | None
+
+    def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
+        raise NotImplementedError
+
+    def _explore_or_probe(
+        self, req_ids: list[int], remaining: list[int], tables: list[Table], d: Decision
+    ) -> list[int] | None:
+        """This step's spans when it explores or probes (decision `d` on these `tables`), else None."""
+        b, n, spec = self.block_size, len(req_ids), d.cap > 1
+        budget = None
+        probe = self.estimates.failing_span()  # a first-step probe's span: up to the first position known to fail
+        short = probe == 2  # position 1 fails in first blocks: the probe sample applies
+        if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
+            span = self.estimates.failing_span(later=True)  # (as a probe's, in later blocks)
+            out = self.sample.retired  # (retired requests draft in no exploration)
+            trial = [1] * n if spec else [1 if r in out else max(1, min(span, k)) for r, k in zip(req_ids, remaining)]
+            budget = self._budget(remaining)
+            regret = self._regret(trial, tables, d, req_ids)
+            if regret > budget:
+                self._next_explore = self.steps + MIN_EXPLORE  # not affordable yet: look again later
+            else:
+                self.regret_s += regret
+                same = self._explored_kind == spec
+                self._explored_kind = spec
+                self.interval = min(self.interval * 2, MAX_EXPLORE) if same else MIN_EXPLORE
+                self._next_explore = self.steps + self.interval
+                self.explored += 1
+                return trial
+        thin = self.estimates.tested[0] < THIN_EVIDENCE  # first blocks have tested position 1 only a few times
+        new = [
+            i
+            for i, r in enumerate(req_ids)
+            if d.spans[i] < min(probe, remaining[i])
+            and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
+            and not (short and self.sample.passed(r))
+            and r not in self.sample.retired
+        ]
+        if short and new and len(req_ids) >= PROBE_SAMPLE:  # (a batch of fewer: every new request)
+            new = self.sample.sample(req_ids, new)
+        if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
+            # and evidence on every position (spans chosen short test only the first few), up to the first
+            # position known to fail (AcceptanceEstimates.failing_span)
+            spans = list(d.spans)
+            for i in new:
+                spans[i] = min(probe, remaining[i])
+            self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
+            self.probes += len(new)
+            self.caps[d.cap] += 1
+            return spans
+        fresh = [
+            i
+            for i, r in enumerate(req_ids)
+            if d.spans[i] == 1 and remaining[i] > 1 and r not in self.sample.retired and self._probing(r)
+        ]
+        if fresh:  # follow-up probes of requests still being learnt, as many as the budget affords
+            budget = self._budget(remaining) if budget is None else budget
+            trial = list(d.spans)
+            trial[fresh[0]] = min(b, remaining[fresh[0]])
+            one = self._regret(trial, tables, d, req_ids)
+            k = len(fresh) if one <= budget else 0  # when one probe is unaffordable, so is any: no search
+            while k:
+                trial = list(d.spans)
+                for i in fresh[:k]:
+                    trial[i] = min(b, remaining[i])
+                regret = self._regret(trial, tables, d, req_ids) if k > 1 else one
+                if regret <= budget:
+                    self.regret_s += regret
+                    self.probes += k
+                    self.caps[d.cap] += 1
+                    return trial
+                k //= 2
+        return None
+
+    def _budget(self, remaining: list[int]) -> float:
+        """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus
+        the live requests' remaining work at plain speed (a new request's probe is paid for by its own
+        generation), less what it has spent."""
+        n = len(remaining)
+        ahead = sum(remaining) * self.cost.plain_s(n) / n
+        return EXPLORE_BUDGET * (self.elapsed_s + ahead) - self.regret_s
+
+    def _regret(self, spans: list[int], tables: list[Table], d: Decision, req_ids: list[int] | None = None) -> float:
+        """Predicted regret of an exploring choice: its time (with the catch-up of the context its drafting
+        requests carry, when `req_ids` are given) minus the time the chosen spans need for the same tokens."""
+        n, drafted = len(spans), sum(s > 1 for s in spans)
+        if drafted:
+            t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
+            if req_ids is not None:
+                t += self.cost.catch_up_s(self._pending_rows(req_ids, spans))
+            tokens = sum(e[s] for e, s in zip(tables, spans))
+        else:
+            t, tokens = self.cost.plain_s(n), float(n)
+        return max(0.0, t - tokens / d.predicted_tok_per_s)
+
+    def _probing(self, req_id: int) -> bool:
+        """After its first-step probe, a request is probed again (a full block despite the choice) until
+        PROBE_STEPS drafting steps are seen, while each keeps accepting something: a request that accepts
+        nothing is settled by one, a request far above the population rate outweighs the prior in a few."""
+        steps, last = self.drafted.get(req_id, (0, 0))
+        return steps < PROBE_STEPS and last > 0
