@@ -16,7 +16,8 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     """Scheduler, pool and proposer agree (between steps): each live request is queued once with the
     matching status; every running request has a table covering exactly its committed length; nothing
     (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
-    running, waiting ones included; every speculating request's drafter context matches its KV."""
+    running, waiting ones included; every speculating request's drafter context matches its KV; the
+    requests retired from speculation are running, and the policy and the scheduler agree on them."""
     sched.pool.check_integrity()
     running = {r.request_id: r for r in sched.running}
     waiting = {r.request_id: r for r in sched.waiting}
@@ -50,6 +51,12 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
         live = sched.proposer.live_requests()
         if live != spec:
             raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
+        policy = sched.policy
+        if policy is not None and (policy.retired - running.keys() or set(sched._retired_at) != policy.retired):
+            raise IntegrityError(
+                f"retired from speculation: the policy holds {sorted(policy.retired)}, the scheduler's stats "
+                f"{sorted(sched._retired_at)}, running {sorted(running)}"
+            )
         for rid in spec:
             rows = sched.proposer.context_rows(rid)
             if rows != sched.pool.seq_len[rid]:

@@ -226,6 +226,13 @@ def test_check_integrity_names_each_disagreement(random_pair):
         engine = corrupted(how)
         with pytest.raises(IntegrityError, match=message.replace("[", r"\[").replace("]", r"\]")):
             engine.check_integrity()
+    adaptive = _engine(random_pair, speculation="adaptive")
+    _add(adaptive, 0)
+    adaptive.step()
+    assert adaptive.scheduler.policy is not None
+    adaptive.scheduler.policy.sample.retired.add(7)  # a retirement the scheduler never took, of no live request
+    with pytest.raises(IntegrityError, match=r"retired from speculation: the policy holds \[7\]"):
+        adaptive.check_integrity()
 
 
 def test_score_raises_step_error_and_leaves_nothing_behind(random_pair):
