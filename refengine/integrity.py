@@ -52,10 +52,10 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
         if live != spec:
             raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
         policy = sched.policy
-        if policy is not None and (policy.retired - running.keys() or set(sched._retired_at) != policy.retired):
+        if policy is not None and (policy.retired - running.keys() or set(sched.retired_at) != policy.retired):
             raise IntegrityError(
                 f"retired from speculation: the policy holds {sorted(policy.retired)}, the scheduler's stats "
-                f"{sorted(sched._retired_at)}, running {sorted(running)}"
+                f"{sorted(sched.retired_at)}, running {sorted(running)}"
             )
         for rid in spec:
             rows = sched.proposer.context_rows(rid)

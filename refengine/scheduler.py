@@ -65,7 +65,7 @@ class Scheduler(StepCommit):
         self._stretch: PlainStretch | None = None  # adaptive: the open plain stretch (spec_decode/plain_stretch.py)
         # adaptive: requests retired from speculation -> their output length then; their span-1 steps since are
         # written into their SpecStats in one call when they leave (no per-request record a step)
-        self._retired_at: dict[int, int] = {}
+        self.retired_at: dict[int, int] = {}  # (integrity.py checks it against the policy's)
 
     def bind_timings(
         self,
@@ -138,7 +138,7 @@ class Scheduler(StepCommit):
         self.waiting = deque(r for r in self.waiting if r is not req)
         self.running = [r for r in self.running if r is not req]
         self.pool.release(req.request_id)
-        retired_at = self._retired_at.pop(req.request_id, None)
+        retired_at = self.retired_at.pop(req.request_id, None)
         if retired_at is not None and len(req.output_ids) > retired_at:  # one token a step since it retired
             req.spec.record(1, 1, times=len(req.output_ids) - retired_at)
         if self.proposer is not None:
@@ -188,10 +188,7 @@ class Scheduler(StepCommit):
         stretch, policy = self._stretch, self.policy
         if stretch is not None:
             if policy is not None and stretch.holds(self.running) and policy.reuse_plain(stretch.min_remaining):
-                for r in stretch.requests:  # the same plain step again: no per-request lists, no choice
-                    self.pool.extend(r.request_id, 1)
-                self.plan_counts["decode"] += 1
-                return DecodePlan(stretch.requests, capture=True)
+                return self._decode(stretch.requests, capture=True)  # the same plain step again: no choice
             self.close_stretch()
         spec = [r for r in self.running if self.eligible(r)]
         plain = [r for r in self.running if not self.eligible(r)]
@@ -202,17 +199,14 @@ class Scheduler(StepCommit):
             if self.policy is not None:
                 retired = self.policy.retired
                 if retired and all(r.request_id in retired for r in spec):
-                    for r in spec:  # every one retired from speculation: plain decode's own step
-                        self.pool.extend(r.request_id, 1)
-                    self.plan_counts["decode"] += 1
-                    return DecodePlan(spec)
+                    return self._decode(spec)  # every one retired from speculation: plain decode's own step
                 spans = self.policy.choose([r.request_id for r in spec], remaining)
                 newly = self.policy.take_retired()
                 if newly:
                     out_len = {r.request_id: len(r.output_ids) for r in spec}
                     for rid in newly:
                         self.active_proposer.release(rid)  # it drafts no more: its rows are not captured
-                        self._retired_at[rid] = out_len[rid]
+                        self.retired_at[rid] = out_len[rid]
                 if retired:
                     uncaptured = frozenset(r.request_id for r in spec if r.request_id in retired)
                 if self.costs is not None:
@@ -224,24 +218,27 @@ class Scheduler(StepCommit):
             if self.policy is not None and max(spans) == 1:
                 # plain decode for every speculating request: the decode step, with their tap-layer features
                 # captured so the drafter context stays aligned (nothing to reserve, draft or accept)
-                for r in spec:
-                    self.pool.extend(r.request_id, 1)
-                self.plan_counts["decode"] += 1
                 if len(uncaptured) == len(spec):  # the choice just retired the last of them
-                    return DecodePlan(spec)
+                    return self._decode(spec)
                 if not plain and not uncaptured:  # every running request: a plain stretch (plain_stretch.py)
                     self._stretch = PlainStretch(spec, self.running, len(self.running), min(remaining))
-                return DecodePlan(spec, capture=True, uncaptured=uncaptured)
+                return self._decode(spec, capture=True, uncaptured=uncaptured)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
             return VerifyPlan(spec, spans, res, uncaptured)
         if plain:
             self._verify_turn = True
-            for r in plain:
-                self.pool.extend(r.request_id, 1)
-            self.plan_counts["decode"] += 1
-            return DecodePlan(plain)
+            return self._decode(plain)
         return None
+
+    def _decode(
+        self, reqs: list[Request], capture: bool = False, uncaptured: frozenset[int] = frozenset()
+    ) -> DecodePlan:
+        """A decode step of `reqs`: one KV row each (see DecodePlan for `capture` and `uncaptured`)."""
+        for r in reqs:
+            self.pool.extend(r.request_id, 1)
+        self.plan_counts["decode"] += 1
+        return DecodePlan(reqs, capture=capture, uncaptured=uncaptured)
 
     # ---- failure: undo a plan (see the module docstring for the policy) -----------------------------------
     def take_done(self) -> list[Request]:

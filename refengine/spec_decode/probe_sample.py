@@ -5,8 +5,8 @@ The sample. While the first blocks accept position 1 at under SHORT_PROBE_RATE o
 refengine/spec_decode/adaptive.py), in a batch of PROBE_SAMPLE requests or more, only every PROBE_SAMPLE-th new
 request is probed (in a smaller batch every one: at c1, sampled, a workload turning good was seen only every
 PROBE_SAMPLE-th request; in simulation, acceptance 0.85 after a long stretch of 0: 0.24 of the better mode,
-against 0.70 probing each): the rest decode plainly
-from their first step (their table is the first blocks') and are probed as soon as position 1 accepts again. A
+against 0.70 probing each): the rest decode plainly from their first step (their table is the first blocks')
+and are probed as soon as position 1 accepts again (or retire, below). A
 probe also pays the catch-up of its prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain
 step, ~1.4% of a 128-token wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so
 a workload turning good is seen within that many.
@@ -15,9 +15,9 @@ Retirement. While position 1 fails in later blocks too (on ample evidence), a re
 span 1 is retired once the evidence is its own or fresh: its own last block accepted nothing (and it is not
 being probed on), or it was passed over by the sample and a first block observed since then failed, with none
 accepting position 1 (a request passed over with none probed beside it, as at c1: the latest first block
-failed). A retired request never drafts again: its steps need no tap features, the scheduler
-frees its drafter context, and it rides along at span 1 in any plan; a batch of retired requests runs plain
-decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of a step on the H200, run 55)
+failed). A retired request never drafts again: its steps need no tap features, the scheduler frees its
+drafter context, and it rides along at span 1 in any plan; a batch of retired requests runs plain decode's own
+step (the decode graph without taps: writing them cost 0.4-1.3% of a step on the H200, run 55)
 with no policy, cost sample or drafter bookkeeping. The requests retired stay plain for the rest of their
 generation; a workload turning good is seen by the sample's probes of new requests. Only with later blocks
 failing too: a drafter whose first block after the prompt fails and later ones accept (the trained tiny pair's
