@@ -34,12 +34,23 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
-from refengine.spec_decode.exploration import MIN_EXPLORE, Exploration
+from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, table_from_rates
+from refengine.spec_decode.exploration import MIN_EXPLORE, THIN_EVIDENCE, Exploration
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
-from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
+from refengine.spec_decode.span_choice import (
+    Decision,
+    RowsFn,
+    Table,
+    choose_spans,
+    executed_rows,
+    plain_wins_uniformly,
+    real_rows,
+    uniform_spec_costs,
+)
 from refengine.spec_decode.step_costs import CostModel
+
+RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
 
 
 @dataclass
@@ -72,6 +83,8 @@ class AdaptivePolicy(Exploration):
     _decisions_before: int = 0
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
+    _surprise_at: tuple[int, int] = (-1, 1)  # (version, _surprise() then)
+    _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
@@ -106,7 +119,7 @@ class AdaptivePolicy(Exploration):
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
         catch-up observe_step may see)."""
         spans = self._choose(req_ids, remaining)
-        if not self._reused and self._position_one_fails():  # (a reused decision retires no one new)
+        if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
         return spans
@@ -130,15 +143,34 @@ class AdaptivePolicy(Exploration):
         return self.sample.take_retired()
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
-        """While position 1 fails in first and later blocks alike: retire the requests the decision leaves at
-        span 1 on evidence of their own or fresh (probe_sample.py says which, and why)."""
-        d, out = self.last, self.sample
+        """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
+        which, and why). In a plain regime (no decision to speculate and no surprising block for RETIRE_AFTER
+        decisions, or position 1 failing in first and later blocks alike), with later blocks tested on some
+        evidence and a uniform batch of the workload's later blocks losing to plain at this batch size: a
+        request that drafted, its blocks in line with the workload (not probing), whose own uniform batch would
+        lose too (plain_wins_uniformly). While position 1 fails everywhere: also a request passed over by the
+        probe sample, on fresh evidence."""
+        d, out, est = self.last, self.sample, self.estimates
+        fails = self._position_one_fails()
+        # (first blocks failing position 1 without later ones known to: only the position-1 rule, on ample
+        # evidence; a workload turning good is then seen by a sample, and a probe failing in it must not retire)
+        plain_regime = fails or (self.steps - self._spec_at >= RETIRE_AFTER and est.failing_span() > 2)
+        if not plain_regime or est.later_tested[0] < THIN_EVIDENCE or d is None or self._tables is None:
+            return  # (later blocks untested: the trained tiny pair's first blocks fail and its later ones accept)
+        n, tables = len(req_ids), self._tables[1]
+        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
+        if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
+            return
         for i, (r, s) in enumerate(zip(req_ids, spans)):
-            if s != 1 or r in out.retired or (d is not None and d.spans[i] != 1):
+            if s != 1 or r in out.retired or d.spans[i] != 1:
                 continue  # drafting now, retired already, or a plain exploration of a speculating choice
-            if out.settled(r, self.drafted.get(r), self._probing(r)):
-                out.retire(r)
-                self._version += 1  # its table is now flat: the cached decision and tables are stale
+            if r in self.drafted:
+                if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
+                    continue
+            elif not (fails and out.settled(r)):
+                continue
+            out.retire(r)
+            self._version += 1  # its table is now flat: the cached decision and tables are stale
 
     def reuse_plain(self, min_remaining: int) -> bool:
         """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
@@ -154,6 +186,8 @@ class AdaptivePolicy(Exploration):
         shrink), so plain again, at O(1), counted as a decision."""
         if not (self._settled and self._cache_key == key and self.steps + 1 < self._next_explore):
             return False
+        if self.steps + 1 == self._spec_at + RETIRE_AFTER:
+            return False  # a plain regime begins: the full choice looks for requests to retire
         self.steps += 1
         self.caps[1] += 1
         return True
@@ -194,6 +228,8 @@ class AdaptivePolicy(Exploration):
         self.last_mean_expected = sum(e[-1] for e in tables) / len(tables)
         self.steps += 1
         self.last = d
+        if d.cap > 1:
+            self._spec_at = self.steps
         b, n, spec = self.block_size, len(req_ids), d.cap > 1
         if (self.cost.plain.updates if spec else self.cost.verify.updates) == 0 and max(remaining) > 1:
             self.explored += 1  # calibration: the other kind's curve has never been measured
@@ -252,6 +288,8 @@ class AdaptivePolicy(Exploration):
         first = req_id not in self.drafted and not self.sample.passed(req_id)
         if first:
             self.sample.observe_first_block(accepted)
+        if accepted >= self._surprise():  # past what the workload accepts: no plain regime to retire in yet
+            self._spec_at = self.steps
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)

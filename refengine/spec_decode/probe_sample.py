@@ -71,11 +71,9 @@ class ProbeSample:
         if accepted:
             self._first_accept_at = self._first_seen
 
-    def settled(self, req_id: int, last_drafted: tuple[int, int] | None, probing: bool) -> bool:
-        """The evidence on a request the decision leaves at span 1 is its own or fresh (see the module
-        docstring). `last_drafted`: its (drafting steps, last accepted), None if it never drafted."""
-        if last_drafted is not None:
-            return last_drafted[1] == 0 and not probing
+    def settled(self, req_id: int) -> bool:
+        """A request passed over by the sample has fresh evidence: a first block observed since then failed,
+        with none accepting position 1 (see the module docstring)."""
         seen = self._passed.get(req_id)
         return seen is not None and self._first_accept_at <= seen < self._first_seen
 

@@ -102,3 +102,17 @@ def choose_spans(
     for i in best_order[:best_k]:
         chosen[i] = 1
     return Decision(chosen, best_rate, plain_rate, best_cap)
+
+
+def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn) -> list[float]:
+    """[D(n) + V(n, R(n * S)) for S = 0..block] (S < 2 unused): a step where each of n requests drafts span S."""
+    draft = cost.draft_s(n)
+    return [0.0, 0.0, *(draft + cost.verify_s(n, rows(n, n * s)) for s in range(2, block + 1))]
+
+
+def plain_wins_uniformly(table: Table, n: int, plain_s: float, spec_costs: list[float]) -> bool:
+    """A batch of n requests each expected to commit `table`'s E(S) would decode plainly: at no common span S
+    does n E(S) / (D(n) + V(n, R(nS))) beat n / P(n) by SPEC_MARGIN (`spec_costs`: uniform_spec_costs). The
+    test of a request's retirement from speculation (refengine/spec_decode/adaptive.py)."""
+    bar = SPEC_MARGIN / plain_s  # E(S) / cost(S) must exceed this for speculation to win
+    return all(table[s] <= bar * spec_costs[s] for s in range(2, len(spec_costs)))

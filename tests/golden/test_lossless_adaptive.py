@@ -96,16 +96,37 @@ def _seed_position_one_failing(policy, n: int = 40) -> None:
         policy.release(rid)
 
 
-@pytest.mark.parametrize("measured", [False, True], ids=["calibrating", "sampled"])
+def _seed_plain_regime(policy, n: int = 40) -> None:
+    """Evidence of a workload whose first and later blocks accept position 1 in 30% of blocks (never position 1
+    failing), a plain regime (the last decision to speculate long ago) and fixed costs at which plain wins
+    for a batch of any size (the simulation's, never updated: the device's own step times would decide
+    otherwise)."""
+    from refengine.spec_decode.adaptive import RETIRE_AFTER
+    from refengine.spec_decode.step_costs import CostModel
+
+    for k, rid in enumerate(range(-1, -n - 1, -1)):
+        accepted = int(k % 10 < 3)
+        policy.observe_acceptance(rid, B, accepted)  # its first block
+        policy.observe_acceptance(rid, B, accepted)  # a later one
+        policy.release(rid)
+    policy.cost = CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
+    policy.cost.observe = lambda *args, **kw: None  # type: ignore[method-assign]
+    policy.cost.plain.updates = policy.cost.verify.updates = 1  # both curves given: no calibration step
+    policy._spec_at = -RETIRE_AFTER
+
+
+@pytest.mark.parametrize("regime", ["calibrating", "sampled", "plain-regime"])
 @pytest.mark.parametrize("graph_mode", ["eager", "full"])
-def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
-    """While position 1 fails everywhere, the policy retires requests from speculation: after their own block
+def test_lossless_adaptive_retired_requests(model_pair, graph_mode, regime):
+    """The policy retires requests from speculation. While position 1 fails everywhere: after their own block
     failed (`calibrating`: the policy's first steps draft for every request to measure the verify curve), or
     passed over by the probe sample once a sampled first block failed too (`sampled`: both cost curves
-    measured, so only every PROBE_SAMPLE-th new request is probed). They keep decoding in the same steps at
-    span 1 without a drafter context, and a batch of retired requests runs the decode graph without taps. The
-    real drafter drafts; the bench's tau1.0 profile makes every verify accept nothing, which commits exactly
-    the target's greedy token, so the output must still equal plain decoding."""
+    measured, so only every PROBE_SAMPLE-th new request is probed). In a plain regime where position 1 still
+    accepts (`plain-regime`: a workload like the bench's tau 1.3 profile, where plain wins at every batch
+    size): after their own probe, in line with the workload. They keep decoding in the same steps at span 1
+    without a drafter context, and a batch of retired requests runs the decode graph without taps. The real
+    drafter drafts; the bench's tau1.0 profile makes every verify accept nothing, which commits exactly the
+    target's greedy token, so the output must still equal plain decoding."""
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
@@ -125,7 +146,11 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
     engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
     policy = engine.scheduler.policy
     assert policy is not None
-    _seed_position_one_failing(policy)
+    if regime == "plain-regime":
+        _seed_plain_regime(policy)
+    else:
+        _seed_position_one_failing(policy)
+    measured = regime != "calibrating"
     if measured:
         policy.cost.plain.updates = policy.cost.verify.updates = 1  # no calibration step
         policy._next_explore = 10**9  # and no exploration: what retires is the sample and the probes
@@ -140,7 +165,10 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, measured):
     assert policy.retirements == len(prompts), f"{policy.retirements} of {len(prompts)} requests retired"
     steps = [(r.spec.committed_tokens, r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
     assert all(c == v == n for c, v, n in steps), f"stats (tokens, steps, decoded) per request: {steps}"
-    if measured:
+    if regime == "plain-regime":
+        assert not policy._position_one_fails(), "the workload's blocks accept position 1: no sample applies"
+        assert (policy.probes, policy.unprobed) == (len(prompts), 0), policy.summary()
+    elif measured:
         sampled = -(-len(prompts) // PROBE_SAMPLE)
         assert (policy.probes, policy.unprobed) == (sampled, len(prompts) - sampled), policy.summary()
     assert max(released) == len(prompts), f"running requests without a drafter context per step: {released}"

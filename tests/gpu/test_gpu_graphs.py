@@ -103,15 +103,17 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("regime", ["position-one-fails", "plain-regime"])
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_gpu_adaptive_retired_requests_lossless(model_pair, mode):
-    """Adaptive requests retired from speculation (position 1 failing everywhere, the bench's tau1.0 profile
-    accepting nothing, which commits the target's own greedy token) ride at span 1 without a drafter context,
-    and a batch of them replays the decode graph without taps: same tokens as the eager plain engine (gate)."""
+def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime):
+    """Adaptive requests retired from speculation (position 1 failing everywhere, or a plain regime where it
+    accepts in 30% of blocks; the bench's tau1.0 profile accepting nothing, which commits the target's own
+    greedy token) ride at span 1 without a drafter context, and a batch of them replays the decode graph without
+    taps: same tokens as the eager plain engine (gate)."""
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-    from tests.golden.test_lossless_adaptive import _seed_position_one_failing
+    from tests.golden.test_lossless_adaptive import _seed_plain_regime, _seed_position_one_failing
 
     vocab = 1024 if model_pair.name == "tiny-random" else 4096
     prompts = _prompts(16, [1, 5, 16, 17, 60, 200], seed=5, vocab=vocab)
@@ -132,12 +134,12 @@ def test_gpu_adaptive_retired_requests_lossless(model_pair, mode):
     engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
     policy = engine.scheduler.policy
     assert policy is not None
-    _seed_position_one_failing(policy)
+    (_seed_plain_regime if regime == "plain-regime" else _seed_position_one_failing)(policy)
     out = greedy(engine, prompts, budgets)
     engine.check_integrity()
     assert policy.retirements == len(prompts), policy.summary()
     assert engine.runner.graphs["decode_plain"].replays > 0, "no step replayed the decode graph without taps"
-    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-retired")
+    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-retired-{regime}")
     assert not failures, "\n".join(failures)
 
 

@@ -26,10 +26,10 @@ from refengine.spec_decode.acceptance_estimate import (
     table_from_rates,
 )
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-from refengine.spec_decode.adaptive import AdaptivePolicy
-from refengine.spec_decode.exploration import THIN_EVIDENCE
+from refengine.spec_decode.adaptive import RETIRE_AFTER, AdaptivePolicy
+from refengine.spec_decode.exploration import PROBE_STEPS, THIN_EVIDENCE
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
-from refengine.spec_decode.span_choice import _spec_bound, choose_spans
+from refengine.spec_decode.span_choice import _spec_bound, choose_spans, plain_wins_uniformly, uniform_spec_costs
 from refengine.spec_decode.step_costs import CostModel, _solve
 
 B = 16
@@ -506,7 +506,7 @@ def _later_blocks_fail_too(pol: AdaptivePolicy, rid: int) -> int:
     return rid
 
 
-def test_requests_retire_only_while_position_one_fails_everywhere():
+def test_passed_over_requests_retire_only_while_position_one_fails_everywhere():
     # a retired request never drafts again, so its steps need no tap features (a batch of them runs the decode
     # graph without taps, H200 run 55: 0.4-1.3% of a step) and its drafter context is freed. Only while first
     # and later blocks alike fail position 1 on ample evidence (a drafter whose first block fails and later
@@ -543,6 +543,87 @@ def test_requests_retire_only_while_position_one_fails_everywhere():
     pol.observe_acceptance(batch[0], 2, 1)  # the sampled probe accepted position 1: no verdict on the others
     pol.choose(batch, [499] * len(batch))
     assert not pol.retired & set(batch[1:]), f"passed-over requests retired on a probe that accepted: {pol.retired}"
+
+
+def _policy_in_a_tau13_workload(seed: int = 5) -> tuple[AdaptivePolicy, int]:
+    """A policy (both cost curves measured, no exploration due, the simulation's costs: plain wins at every
+    batch size) whose first and later blocks accept position 1 in 30% of blocks and never position 2 (the
+    bench's tau 1.3 profile), on ample evidence. Returns it and the next id."""
+    pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
+    pol.cost.plain.updates = pol.cost.verify.updates = 1
+    pol._next_explore = 10**9
+    rng, rid = random.Random(seed), -1
+    while min(pol.estimates.tested[1], pol.estimates.later_tested[1]) < SHORT_PROBE_EVIDENCE:
+        accepted = int(rng.random() < 0.3)
+        pol.observe_acceptance(rid, 3, accepted)  # its first block
+        pol.observe_acceptance(rid, 3, accepted)  # a later one
+        pol.release(rid)
+        rid -= 1
+    assert pol.estimates.failing_span() == pol.estimates.failing_span(later=True) == 3
+    return pol, 0
+
+
+def test_uniform_batches_of_a_poor_workload_lose_to_plain():
+    # retirement's test: would a batch of this size made of requests like this one speculate at any common
+    # span? Under the simulation's costs the tau 1.3 profile (position 1 in 30%, never position 2) loses at
+    # c1 and c32, geometric 0.6 wins at c32 (span 4: E 2.18 for a 9.8 ms step against 1 token in 5.0)
+    cost = CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
+    tau13 = table_from_rates([0.3] + [0.0] * (B - 2))
+    for n in (1, 8, 32):
+        costs = uniform_spec_costs(n, B, cost, lambda n, r: r)
+        assert plain_wins_uniformly(tau13, n, cost.plain_s(n), costs), f"tau 1.3 at c{n}"
+        assert not plain_wins_uniformly(geometric_table(0.6, B), n, cost.plain_s(n), costs), f"0.6 at c{n}"
+        assert not plain_wins_uniformly(geometric_table(0.0, B), n, 2 * max(costs[2:]), costs), "plain dearer"
+
+
+def test_requests_retire_in_a_plain_regime_where_position_one_still_accepts():
+    # the bench's tau 1.3 profile: plain wins at c8 and c32, but position 1 accepts in 30% of blocks, so no
+    # position-1 rule applies. After RETIRE_AFTER decisions without speculating (and without a surprising
+    # block), a request whose probe was in line with the workload retires; one whose block accepted past the
+    # position known to fail is probed on and stays; a surprising block restarts the count
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER  # a plain regime already
+    batch = list(range(rid, rid + 32))
+    assert pol.choose(batch, [500] * 32) == [3] * 32, "every new request is probed, up to position 2"
+    for i, r in enumerate(batch):
+        pol.observe_acceptance(r, 3, 2 if i == 0 else int(i % 3 == 0))  # batch[0] accepts position 2
+    left = 499
+    while pol.steps < RETIRE_AFTER:
+        spans = pol.choose(batch, [left] * 32)
+        assert not pol.retired, f"step {pol.steps}: retired {sorted(pol.retired)} inside the surprise's window"
+        assert spans[1:] == [1] * 31, f"spans {spans}"
+        if spans[0] > 1:
+            pol.observe_acceptance(batch[0], spans[0], 0)  # its follow-up probe: nothing
+        left -= 1
+    while pol.steps < 2 * RETIRE_AFTER + PROBE_STEPS and len(pol.retired) < 32:
+        spans = pol.choose(batch, [left] * 32)
+        if spans[0] > 1:
+            pol.observe_acceptance(batch[0], spans[0], 0)
+        left -= 1
+    assert pol.retired == set(batch), f"retired {len(pol.retired)} of 32 after {pol.steps} decisions"
+
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER  # a plain regime already
+    batch = list(range(rid, rid + 8))
+    pol.choose(batch, [500] * 8)
+    for r in batch:
+        pol.observe_acceptance(r, 3, 0)
+    pol.choose(batch, [499] * 8)
+    assert pol.retired == set(batch), "in a plain regime a probe in line with the workload retires at once"
+
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER
+    batch = list(range(rid, rid + 8))
+    for r in batch:
+        for _ in range(20):  # their own blocks failed again and again: alone, they would not speculate
+            pol.observe_acceptance(r, B, 0)
+    rng = random.Random(7)
+    for k in range(-1000, -1080, -1):  # then later blocks turn good (geometric 0.5): a uniform batch would win
+        accepted = next(m for m in range(B) if m == B - 1 or rng.random() >= 0.5)
+        pol.estimates.observe(k, B, accepted, first=False)
+        pol.estimates.release(k)
+    assert pol.choose(batch, [400] * 8) == [1] * 8
+    assert not pol.retired, "later blocks that would win: nobody retires on poor blocks of its own"
 
 
 def test_probes_and_explorations_stop_at_the_first_failing_position():
