@@ -44,8 +44,14 @@ from refengine.kv.pool import blocks_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile, parse_profile
 
 MODES = ("plain", "dflash", "adaptive")
-METHOD_ISOLATED = "each mode in a fresh process: loaded, settled, then every (concurrency, profile) cell"
-METHOD_IN_PROCESS = "one engine at a time in this process: each mode loaded alone, settled, every cell, freed"
+METHOD_ISOLATED = (
+    "each mode in a fresh process: loaded, settled, then each profile's cells by concurrency (adaptive: settled"
+    " again under each later profile)"
+)
+METHOD_IN_PROCESS = (
+    "one engine at a time in this process: each mode loaded alone, settled, each profile's cells (adaptive:"
+    " settled again under each later profile), freed"
+)
 SETTLE_S = 15.0  # CUDA: seconds of load before the first measured run
 
 
@@ -184,7 +190,9 @@ class ModeJob:
 
 
 def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
-    """One mode's engine: load, capture every graph shape, settle, then every (concurrency, profile) cell.
+    """One mode's engine: load, capture every graph shape, settle, then each profile's cells by concurrency
+    (adaptive settles again under each profile after the first: run after another profile's cells, its
+    estimates began each cell where the last left off, a workload turn every few hundred tokens).
     Returns its runs by (mode, label, concurrency) and what the JSON records about it. Runs in a fresh
     process on CUDA (a top-level function, so it pickles)."""
     from tqdm import tqdm
@@ -219,13 +227,15 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         file=sys.stderr,
     )
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-    for c in j.concurrency:
-        batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
-        for prof in cells if mode != "plain" else [None]:  # plain does not depend on the profile
-            override = AcceptanceOverride(prof, j.seed) if prof is not None else None
-            if mode != "plain":
-                set_override(e, override)
-            label = _label(mode, override, j.synthetic)
+    for k, prof in enumerate(cells if mode != "plain" else [None]):  # plain does not depend on the profile
+        override = AcceptanceOverride(prof, j.seed) if prof is not None else None
+        if mode != "plain":
+            set_override(e, override)
+        if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
+            _settle(e, make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed), j.settle_s)
+        label = _label(mode, override, j.synthetic)
+        for c in j.concurrency:
+            batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
             run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
             if e.scheduler.policy is not None:
                 e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)

@@ -97,7 +97,8 @@ def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):
 
 def test_bench_runs_one_engine_at_a_time(monkeypatch):
     """Each mode's engine is loaded alone: every run of one mode (all cells) before the next mode's engine is
-    built, the previous engine freed by then; plain measured once per concurrency, not once per profile."""
+    built, the previous engine freed by then; plain measured once per concurrency, not once per profile; each
+    profile's cells together, adaptive settled again under each later profile (its estimates learn it)."""
     import gc
     import weakref
 
@@ -119,8 +120,15 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
         built.append(weakref.ref(e))
         return e
 
+    settle = suite._settle
+
+    def settled(engine, batch, seconds):
+        order.append(("settle", "adaptive" if engine.scheduler.policy else "-", len(batch)))
+        return settle(engine, batch, seconds)
+
     monkeypatch.setattr(suite, "measure_row", spy)
     monkeypatch.setattr(suite, "engine_for", build)
+    monkeypatch.setattr(suite, "_settle", settled)
     res = suite.bench(
         str(RANDOM_PAIR / "target"),
         str(RANDOM_PAIR / "draft"),
@@ -134,8 +142,10 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
     )
     assert alive_at_build == [0, 0, 0], f"engines still alive when the next was built: {alive_at_build}"
     plain = [("plain", "-", c) for c in (1, 2) for _ in range(2)]
-    spec = [("?", f"profile {p}", c) for c in (1, 2) for p in ("tau1", "tau3") for _ in range(2)]
-    expected = plain + [("dflash", *x[1:]) for x in spec] + [("adaptive", *x[1:]) for x in spec]
+    tau1, tau3 = ([("?", f"profile {p}", c) for c in (1, 2) for _ in range(2)] for p in ("tau1", "tau3"))
+    dflash, adaptive = ([(m, *x[1:]) for x in tau1 + tau3] for m in ("dflash", "adaptive"))
+    expected = [("settle", "-", 2), *plain, ("settle", "-", 2), *dflash, ("settle", "adaptive", 2)]
+    expected += adaptive[:4] + [("settle", "adaptive", 2)] + adaptive[4:]
     assert order == expected, f"first difference at run {first_divergence(order, expected)}"
     rows = [r for r in res["rows"] if r["mode"] == "plain"]
     assert len(rows) == 2 and all(r["repeats"] == 2 for r in rows)
