@@ -144,33 +144,43 @@ class AdaptivePolicy(Exploration):
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
         """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
-        which, and why). In a plain regime (no decision to speculate and no surprising block for RETIRE_AFTER
-        decisions, or position 1 failing in first and later blocks alike), with later blocks tested on some
-        evidence and a uniform batch of the workload's later blocks losing to plain at this batch size: a
-        request that drafted, its blocks in line with the workload (not probing), whose own uniform batch would
-        lose too (plain_wins_uniformly). While position 1 fails everywhere: also a request passed over by the
-        probe sample, on fresh evidence."""
-        d, out, est = self.last, self.sample, self.estimates
+        which, and why), while position 1 fails in first and later blocks alike or in a plain regime
+        (_plain_regime): a request that drafted, its blocks in line with the workload (not probing), whose own
+        uniform batch would lose to plain too (plain_wins_uniformly; while position 1 fails it does); a request
+        passed over by the probe sample, on fresh evidence (and in a plain regime, its table losing too)."""
+        d, out = self.last, self.sample
         fails = self._position_one_fails()
-        # (first blocks failing position 1 without later ones known to: only the position-1 rule, on ample
-        # evidence; a workload turning good is then seen by a sample, and a probe failing in it must not retire)
-        plain_regime = fails or (self.steps - self._spec_at >= RETIRE_AFTER and est.failing_span() > 2)
-        if not plain_regime or est.later_tested[0] < THIN_EVIDENCE or d is None or self._tables is None:
-            return  # (later blocks untested: the trained tiny pair's first blocks fail and its later ones accept)
-        n, tables = len(req_ids), self._tables[1]
-        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
-        if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
+        costs = self._plain_regime(len(req_ids), fails)
+        if costs is None or d is None or self._tables is None:
             return
+        n, tables = len(req_ids), self._tables[1]
         for i, (r, s) in enumerate(zip(req_ids, spans)):
             if s != 1 or r in out.retired or d.spans[i] != 1:
                 continue  # drafting now, retired already, or a plain exploration of a speculating choice
             if r in self.drafted:
                 if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
                     continue
-            elif not (fails and out.settled(r)):
+            elif not (out.settled(r) and (fails or plain_wins_uniformly(tables[i], n, *costs))):
                 continue
             out.retire(r)
             self._version += 1  # its table is now flat: the cached decision and tables are stale
+
+    def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
+        """(P(n), uniform_spec_costs) while requests may retire at batch size n, else None: position 1 fails in
+        first and later blocks alike (`fails`), or a plain regime: no decision to speculate and no surprising
+        block for RETIRE_AFTER decisions, position 1 not known to fail in first blocks (while it is, only the
+        position-1 rule, on ample evidence: a workload turning good is seen by its sample, and a probe failing
+        in it must not retire), later blocks tested on some evidence (the trained tiny pair's first blocks fail
+        and its later ones accept), and a uniform batch of the later blocks' population losing to plain."""
+        est = self.estimates
+        if not fails and (self.steps - self._spec_at < RETIRE_AFTER or est.failing_span() <= 2):
+            return None
+        if est.later_tested[0] < THIN_EVIDENCE:
+            return None
+        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
+        if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
+            return None
+        return costs
 
     def reuse_plain(self, min_remaining: int) -> bool:
         """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
@@ -286,9 +296,10 @@ class AdaptivePolicy(Exploration):
         # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
+        surprising = accepted >= self._surprise()  # past what the workload accepts: no plain regime yet
         if first:
-            self.sample.observe_first_block(accepted)
-        if accepted >= self._surprise():  # past what the workload accepts: no plain regime to retire in yet
+            self.sample.observe_first_block(surprising)
+        if surprising:
             self._spec_at = self.steps
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1

@@ -33,6 +33,7 @@ EXPLORE_BUDGET to plain decode (and the error of its predictions).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
@@ -71,6 +72,9 @@ class Exploration:
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
         raise NotImplementedError
 
+    def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
+        raise NotImplementedError
+
     def _explore_or_probe(
         self, req_ids: list[int], remaining: list[int], tables: list[Table], d: Decision
     ) -> list[int] | None:
@@ -78,7 +82,7 @@ class Exploration:
         b, n, spec = self.block_size, len(req_ids), d.cap > 1
         budget = None
         probe = self.estimates.failing_span()  # a first-step probe's span: up to the first position known to fail
-        short = probe == 2  # position 1 fails in first blocks: the probe sample applies
+        short = probe == 2  # position 1 fails in first blocks: short probes
         if self.steps >= self._next_explore:  # try the other kind: full spans vs plain
             span = self.estimates.failing_span(later=True)  # (as a probe's, in later blocks)
             out = self.sample.retired  # (retired requests draft in no exploration)
@@ -96,15 +100,16 @@ class Exploration:
                 self.explored += 1
                 return trial
         thin = self.estimates.tested[0] < THIN_EVIDENCE  # first blocks have tested position 1 only a few times
+        sampling = functools.cache(lambda: short or self._plain_regime(n, False) is not None)  # the sample applies
         new = [
             i
             for i, r in enumerate(req_ids)
             if d.spans[i] < min(probe, remaining[i])
             and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
-            and not (short and self.sample.passed(r))
+            and not (self.sample.passed(r) and sampling())
             and r not in self.sample.retired
         ]
-        if short and new and len(req_ids) >= PROBE_SAMPLE:  # (a batch of fewer: every new request)
+        if new and n >= PROBE_SAMPLE and sampling():  # (a batch of fewer: every new request)
             new = self.sample.sample(req_ids, new)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few), up to the first

@@ -41,7 +41,8 @@ class ProbeSample:
     _passed: dict[int, int] = field(default_factory=dict)  # live requests passed over -> first blocks seen by then
     _new_seen: int = 0  # new requests the sample has counted
     _first_seen: int = 0  # first blocks observed
-    _first_accept_at: int = 0  # _first_seen at the last first block that accepted position 1
+    _first_surprise_at: int = 0  # _first_seen at the last surprising first block (one accepting position 1, while
+    # it fails; past the position known to fail, in a plain regime: AdaptivePolicy._surprise)
     _newly_retired: list[int] = field(default_factory=list)  # since the scheduler last took them
 
     def passed(self, req_id: int) -> bool:
@@ -65,17 +66,17 @@ class ProbeSample:
             self._passed[r] = seen
         return kept
 
-    def observe_first_block(self, accepted: int) -> None:
-        """A request's first block was verified, `accepted` drafts accepted."""
+    def observe_first_block(self, surprising: bool) -> None:
+        """A request's first block was verified; `surprising`: it accepted more than the workload's do."""
         self._first_seen += 1
-        if accepted:
-            self._first_accept_at = self._first_seen
+        if surprising:
+            self._first_surprise_at = self._first_seen
 
     def settled(self, req_id: int) -> bool:
-        """A request passed over by the sample has fresh evidence: a first block observed since then failed,
-        with none accepting position 1 (see the module docstring)."""
+        """A request passed over by the sample has fresh evidence: a first block observed since then, none of
+        them surprising (see the module docstring)."""
         seen = self._passed.get(req_id)
-        return seen is not None and self._first_accept_at <= seen < self._first_seen
+        return seen is not None and self._first_surprise_at <= seen < self._first_seen
 
     def retire(self, req_id: int) -> None:
         self.retired.add(req_id)

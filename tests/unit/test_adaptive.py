@@ -579,19 +579,37 @@ def test_uniform_batches_of_a_poor_workload_lose_to_plain():
 def test_requests_retire_in_a_plain_regime_where_position_one_still_accepts():
     # the bench's tau 1.3 profile: plain wins at c8 and c32, but position 1 accepts in 30% of blocks, so no
     # position-1 rule applies. After RETIRE_AFTER decisions without speculating (and without a surprising
-    # block), a request whose probe was in line with the workload retires; one whose block accepted past the
-    # position known to fail is probed on and stays; a surprising block restarts the count
+    # block), only a sample of new requests is probed; the passed-over ones retire once a first block observed
+    # since is in line with the workload, and so does a probed request whose block was. A block accepting past
+    # the position known to fail is a surprise: its request is probed on, the passed-over ones are probed, and
+    # nobody retires for RETIRE_AFTER decisions
     pol, rid = _policy_in_a_tau13_workload()
     pol._spec_at = -RETIRE_AFTER  # a plain regime already
+    batch = list(range(rid, rid + 8))
+    assert pol.choose(batch, [500] * 8) == [3] + [1] * 7, "a sample of new requests is probed, up to position 2"
+    pol.observe_acceptance(batch[0], 3, 1)  # in line with the workload
+    pol.choose(batch, [499] * 8)
+    assert pol.retired == set(batch), f"retired {sorted(pol.retired)}: the probe was in line, all retire"
+    small = list(range(batch[-1] + 1, batch[-1] + 5))
+    assert pol.choose(small, [500] * 4) == [3] * 4, "a batch of fewer than PROBE_SAMPLE: each is probed"
+
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER
     batch = list(range(rid, rid + 32))
-    assert pol.choose(batch, [500] * 32) == [3] * 32, "every new request is probed, up to position 2"
+    spans = pol.choose(batch, [500] * 32)
+    sampled = [i for i, s in enumerate(spans) if s > 1]
+    assert sampled == list(range(0, 32, PROBE_SAMPLE)) and {spans[i] for i in sampled} == {3}, f"spans {spans}"
+    for i in sampled:
+        pol.observe_acceptance(batch[i], 3, 2 if i == 0 else 0)  # batch[0] accepts position 2: a surprise
+    spans = pol.choose(batch, [499] * 32)
+    assert not pol.retired and all(spans[i] > 1 for i in range(32) if i not in sampled), f"spans {spans}"
     for i, r in enumerate(batch):
-        pol.observe_acceptance(r, 3, 2 if i == 0 else int(i % 3 == 0))  # batch[0] accepts position 2
-    left = 499
+        if spans[i] > 1:
+            pol.observe_acceptance(r, spans[i], int(i % 3 == 0) if i else 0)  # in line, batch[0] too now
+    left = 498
     while pol.steps < RETIRE_AFTER:
         spans = pol.choose(batch, [left] * 32)
         assert not pol.retired, f"step {pol.steps}: retired {sorted(pol.retired)} inside the surprise's window"
-        assert spans[1:] == [1] * 31, f"spans {spans}"
         if spans[0] > 1:
             pol.observe_acceptance(batch[0], spans[0], 0)  # its follow-up probe: nothing
         left -= 1
@@ -601,15 +619,6 @@ def test_requests_retire_in_a_plain_regime_where_position_one_still_accepts():
             pol.observe_acceptance(batch[0], spans[0], 0)
         left -= 1
     assert pol.retired == set(batch), f"retired {len(pol.retired)} of 32 after {pol.steps} decisions"
-
-    pol, rid = _policy_in_a_tau13_workload()
-    pol._spec_at = -RETIRE_AFTER  # a plain regime already
-    batch = list(range(rid, rid + 8))
-    pol.choose(batch, [500] * 8)
-    for r in batch:
-        pol.observe_acceptance(r, 3, 0)
-    pol.choose(batch, [499] * 8)
-    assert pol.retired == set(batch), "in a plain regime a probe in line with the workload retires at once"
 
     pol, rid = _policy_in_a_tau13_workload()
     pol._spec_at = -RETIRE_AFTER
