@@ -23,8 +23,8 @@ Model (all online, with priors):
   catch-up of context carried past a plain stretch is not in D: it is learnt as C(rows), a fixed cost plus a
   cost per carried row, and charged to the explorations that would cause one (observe_step).
 - exploration and probes (refengine/spec_decode/exploration.py): within a budget, the losing kind is tried
-  now and then, and new requests draft a block on their first step; while position 1 fails, a sample of them,
-  and requests retire from speculation (refengine/spec_decode/probe_sample.py).
+  now and then, and new requests draft a block on their first step; while position 1 fails or in a plain
+  regime, a sample of them, and requests retire from speculation (refengine/spec_decode/probe_sample.py).
 """
 
 from __future__ import annotations
@@ -34,27 +34,24 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates, table_from_rates
-from refengine.spec_decode.exploration import MIN_EXPLORE, THIN_EVIDENCE, Exploration
+from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.exploration import MIN_EXPLORE
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
+from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.span_choice import (
     Decision,
     RowsFn,
     Table,
     choose_spans,
     executed_rows,
-    plain_wins_uniformly,
     real_rows,
-    uniform_spec_costs,
 )
 from refengine.spec_decode.step_costs import CostModel
 
-RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
-
 
 @dataclass
-class AdaptivePolicy(Exploration):
+class AdaptivePolicy(Retirement):
     """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics.
     `rows` maps (requests, real rows) to the rows a verify computes (the runner's graph shapes)."""
 
@@ -142,46 +139,6 @@ class AdaptivePolicy(Exploration):
         decode plainly (span 1 whatever the batch) and their rows are not captured."""
         return self.sample.take_retired()
 
-    def _retire(self, req_ids: list[int], spans: list[int]) -> None:
-        """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
-        which, and why), while position 1 fails in first and later blocks alike or in a plain regime
-        (_plain_regime): a request that drafted, its blocks in line with the workload (not probing), whose own
-        uniform batch would lose to plain too (plain_wins_uniformly; while position 1 fails it does); a request
-        passed over by the probe sample, on fresh evidence (and in a plain regime, its table losing too)."""
-        d, out = self.last, self.sample
-        fails = self._position_one_fails()
-        costs = self._plain_regime(len(req_ids), fails)
-        if costs is None or d is None or self._tables is None:
-            return
-        n, tables = len(req_ids), self._tables[1]
-        for i, (r, s) in enumerate(zip(req_ids, spans)):
-            if s != 1 or r in out.retired or d.spans[i] != 1:
-                continue  # drafting now, retired already, or a plain exploration of a speculating choice
-            if r in self.drafted:
-                if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
-                    continue
-            elif not (out.settled(r) and (fails or plain_wins_uniformly(tables[i], n, *costs))):
-                continue
-            out.retire(r)
-            self._version += 1  # its table is now flat: the cached decision and tables are stale
-
-    def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
-        """(P(n), uniform_spec_costs) while requests may retire at batch size n, else None: position 1 fails in
-        first and later blocks alike (`fails`), or a plain regime: no decision to speculate and no surprising
-        block for RETIRE_AFTER decisions, position 1 not known to fail in first blocks (while it is, only the
-        position-1 rule, on ample evidence: a workload turning good is seen by its sample, and a probe failing
-        in it must not retire), later blocks tested on some evidence (the trained tiny pair's first blocks fail
-        and its later ones accept), and a uniform batch of the later blocks' population losing to plain."""
-        est = self.estimates
-        if not fails and (self.steps - self._spec_at < RETIRE_AFTER or est.failing_span() <= 2):
-            return None
-        if est.later_tested[0] < THIN_EVIDENCE:
-            return None
-        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
-        if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
-            return None
-        return costs
-
     def reuse_plain(self, min_remaining: int) -> bool:
         """choose's O(1) path for the caller that knows the requests are those of the last choice, and that
         each committed exactly one token since (a plain stretch, refengine/scheduler.py): True, counting the
@@ -251,10 +208,6 @@ class AdaptivePolicy(Exploration):
         self.searched += d.searched and not reused
         self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
-
-    def _position_one_fails(self) -> bool:
-        """First and later blocks alike accept position 1 at under SHORT_PROBE_RATE, on ample evidence."""
-        return self.estimates.failing_span() == 2 and self.estimates.failing_span(later=True) == 2
 
     @property
     def carried_rows(self) -> int:

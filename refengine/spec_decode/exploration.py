@@ -24,11 +24,11 @@ that accepts nothing tests only position 1, whatever its span, so it loses infor
 accepts (and then the request is probed on as above). At c32 on Qwen3-4B shapes that verify computes 64
 rows instead of 512 (H200: 4.7 against 9.9 ms; a plain step 5.1). More generally a probe or an
 exploration drafts up to the first position known to fail (AcceptanceEstimates.failing_span). Under that
-same condition only a sample of new requests is probed (in a batch of PROBE_SAMPLE or more), and once
-later blocks fail position 1 too, requests retire from speculation (refengine/spec_decode/probe_sample.py:
-PROBE_SAMPLE, retirement). So where plain wins, adaptive loses a speculative step per PROBE_SAMPLE
-requests (per request in small batches, while evidence is thin or position 1 accepts) plus about
-EXPLORE_BUDGET to plain decode (and the error of its predictions).
+same condition, or in a plain regime (refengine/spec_decode/retirement.py), only a sample of new requests is probed
+(in a batch of PROBE_SAMPLE or more), and once later blocks fail position 1 too, or in a plain regime,
+requests retire from speculation (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). So where
+plain wins, adaptive loses a speculative step per PROBE_SAMPLE requests (per request in small batches, or
+while evidence is thin) plus about EXPLORE_BUDGET to plain decode (and the error of its predictions).
 """
 
 from __future__ import annotations
@@ -67,12 +67,14 @@ class Exploration:
     _next_explore: int
     _explored_kind: bool | None
     _version: int
-    _surprise_at: tuple[int, int]
 
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
         raise NotImplementedError
 
     def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
+        raise NotImplementedError
+
+    def _surprise(self) -> int:
         raise NotImplementedError
 
     def _explore_or_probe(
@@ -176,10 +178,3 @@ class Exploration:
         bench's tau 1.3 profile, every such request stayed unsettled and out of retirement.)"""
         steps, last = self.drafted.get(req_id, (0, 0))
         return steps < PROBE_STEPS and last >= self._surprise()
-
-    def _surprise(self) -> int:
-        """Accepted drafts that make a block a surprise: the first position known to fail, else 1."""
-        if self._surprise_at[0] != self._version:
-            fails = min(self.estimates.failing_span(), self.estimates.failing_span(later=True))
-            self._surprise_at = (self._version, fails - 1 if fails < self.block_size else 1)
-        return self._surprise_at[1]

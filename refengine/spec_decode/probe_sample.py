@@ -1,29 +1,35 @@
 """Adaptive speculation's probe sample and retirements (pure Python): which new requests are probed while the
-first blocks fail position 1, and which requests stop speculating for good.
+first blocks fail position 1 or plain decode has settled in, and which requests stop speculating for good.
 
-The sample. While the first blocks accept position 1 at under SHORT_PROBE_RATE on ample evidence (see
-refengine/spec_decode/adaptive.py), in a batch of PROBE_SAMPLE requests or more, only every PROBE_SAMPLE-th new
-request is probed (in a smaller batch every one: at c1, sampled, a workload turning good was seen only every
+The sample. While the first blocks accept position 1 at under SHORT_PROBE_RATE on ample evidence, or in a
+plain regime (refengine/spec_decode/retirement.py: no decision to speculate and no surprising block for RETIRE_AFTER
+decisions, and a uniform batch of the workload's later blocks losing to plain at this batch size; the bench's
+tau 1.3 profile), in a batch of PROBE_SAMPLE requests or more, only every PROBE_SAMPLE-th new request is
+probed (in a smaller batch every one: at c1, sampled, a workload turning good was seen only every
 PROBE_SAMPLE-th request; in simulation, acceptance 0.85 after a long stretch of 0: 0.24 of the better mode,
 against 0.70 probing each): the rest decode plainly from their first step (their table is the first blocks')
-and are probed as soon as position 1 accepts again (or retire, below). A
-probe also pays the catch-up of its prompt's context (H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain
-step, ~1.4% of a 128-token wave), and the sample still tests position 1 at every PROBE_SAMPLE new requests, so
-a workload turning good is seen within that many.
+and are probed as soon as neither holds (or retire, below). A probe pays the catch-up of its prompt's context
+(H200 run 53, c32: a probe wave ~9 ms over a 4.6 ms plain step, ~1.4% of a 128-token wave), and the decode
+steps after a drafter's work ran slower (run 64, tau 1.3, every request probed: 4.55 against 4.29 ms at
+c16). The sample still tests the workload at every PROBE_SAMPLE new requests: a surprising first block (one
+accepting position 1 while it fails, or a position known to fail: Retirement._surprise) ends the plain
+regime, so a workload turning good is seen within that many.
 
-Retirement. While position 1 fails in later blocks too (on ample evidence), a request the decision leaves at
-span 1 is retired once the evidence is its own or fresh: its own last block accepted nothing (and it is not
-being probed on), or it was passed over by the sample and a first block observed since then failed, with none
-accepting position 1 (a request passed over with none probed beside it, as at c1: the latest first block
-failed). A retired request never drafts again: its steps need no tap features, the scheduler frees its
-drafter context, and it rides along at span 1 in any plan; a batch of retired requests runs plain decode's own
-step (the decode graph without taps: writing them cost 0.4-1.3% of a step on the H200, run 55)
-with no policy, cost sample or drafter bookkeeping. The requests retired stay plain for the rest of their
-generation; a workload turning good is seen by the sample's probes of new requests. Only with later blocks
-failing too: a drafter whose first block after the prompt fails and later ones accept (the trained tiny pair's
-first blocks, 0-3 accepted against 15) must keep being explored. Only on fresh evidence: retired at the
-pass-over, a wave of requests arriving as the workload turned good stayed plain (simulation, c8, acceptance 0
-then 0.85: 0.79 of the better mode, against 1.04 without retirement).
+Retirement. While position 1 fails in later blocks too (on ample evidence), or in a plain regime, a request
+the decision leaves at span 1 is retired once the evidence is its own or fresh: its own last block was in
+line with the workload (accepted nothing, where position 1 fails) and it is not being probed on, or it was
+passed over by the sample and a first block observed since then was in line too, none surprising (a request
+passed over with none probed beside it, as at c1: the latest first block); in a plain regime its own
+uniform batch must lose to plain as well. A retired request never drafts again: its steps need no tap
+features, the scheduler frees its drafter context, and it rides along at span 1 in any plan; a batch of
+retired requests runs plain decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of
+a step on the H200, run 55) with no policy, cost sample or drafter bookkeeping. The requests retired stay
+plain for the rest of their generation (also if their batch shrinks to a size where speculating would win:
+there is no way back yet); a workload turning good is seen by the sample's probes of new requests. Only with
+later blocks tested: a drafter whose first block after the prompt fails and later ones accept (the trained
+tiny pair's first blocks, 0-3 accepted against 15) must keep being explored. Only on fresh evidence: retired
+at the pass-over, a wave of requests arriving as the workload turned good stayed plain (simulation, c8,
+acceptance 0 then 0.85: 0.79 of the better mode, against 1.04 without retirement).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ class ProbeSample:
     _new_seen: int = 0  # new requests the sample has counted
     _first_seen: int = 0  # first blocks observed
     _first_surprise_at: int = 0  # _first_seen at the last surprising first block (one accepting position 1, while
-    # it fails; past the position known to fail, in a plain regime: AdaptivePolicy._surprise)
+    # it fails; past the position known to fail, in a plain regime: Retirement._surprise)
     _newly_retired: list[int] = field(default_factory=list)  # since the scheduler last took them
 
     def passed(self, req_id: int) -> bool:

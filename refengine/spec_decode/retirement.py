@@ -1,0 +1,83 @@
+"""Adaptive speculation's retirements (a mixin of AdaptivePolicy, refengine/spec_decode/adaptive.py): when a
+request stops speculating for good, in which regimes, and what counts as a surprising block.
+
+The regimes: position 1 failing in first and later blocks alike (on ample evidence), or a plain regime at this
+batch size: no decision to speculate and no surprising block for RETIRE_AFTER decisions, position 1 not known
+to fail in first blocks, later blocks tested on some evidence, and a uniform batch of the later blocks'
+population losing to plain (span_choice.plain_wins_uniformly). Why each condition (simulation, tests/unit/
+test_adaptive.py's `_simulate_phases`): without the RETIRE_AFTER count, geometric 0.6 at c32 (the span choice
+mixing speculating and plain steps) retired requests with unlucky blocks, which then rode in speculating steps
+and made their waves' tails long (0.990 -> 0.942 of the better mode); while position 1 is known to fail in
+first blocks, the first probe of a workload turning good retired its request while the rest of its wave sped
+up; without the population's test, requests with poor blocks of their own retired while the later blocks
+would win. Which requests, and the probe sample that goes with it: refengine/spec_decode/probe_sample.py.
+"""
+
+from __future__ import annotations
+
+from refengine.spec_decode.acceptance_estimate import table_from_rates
+from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
+from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
+
+RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
+
+
+class Retirement(Exploration):
+    """Overrides Exploration's _plain_regime and _surprise (the probe sample and probing read them)."""
+
+    # what AdaptivePolicy provides, besides Exploration's
+    last: Decision | None
+    _tables: tuple[tuple, list[Table]] | None
+    _spec_at: int
+    _surprise_at: tuple[int, int]
+
+    def _retire(self, req_ids: list[int], spans: list[int]) -> None:
+        """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
+        which, and why), while position 1 fails in first and later blocks alike or in a plain regime
+        (_plain_regime): a request that drafted, its blocks in line with the workload (not probing), whose own
+        uniform batch would lose to plain too (plain_wins_uniformly; while position 1 fails it does); a request
+        passed over by the probe sample, on fresh evidence (and in a plain regime, its table losing too)."""
+        d, out = self.last, self.sample
+        fails = self._position_one_fails()
+        costs = self._plain_regime(len(req_ids), fails)
+        if costs is None or d is None or self._tables is None:
+            return
+        n, tables = len(req_ids), self._tables[1]
+        for i, (r, s) in enumerate(zip(req_ids, spans)):
+            if s != 1 or r in out.retired or d.spans[i] != 1:
+                continue  # drafting now, retired already, or a plain exploration of a speculating choice
+            if r in self.drafted:
+                if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
+                    continue
+            elif not (out.settled(r) and (fails or plain_wins_uniformly(tables[i], n, *costs))):
+                continue
+            out.retire(r)
+            self._version += 1  # its table is now flat: the cached decision and tables are stale
+
+    def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
+        """(P(n), uniform_spec_costs) while requests may retire at batch size n, else None: position 1 fails in
+        first and later blocks alike (`fails`), or a plain regime: no decision to speculate and no surprising
+        block for RETIRE_AFTER decisions, position 1 not known to fail in first blocks (while it is, only the
+        position-1 rule, on ample evidence: a workload turning good is seen by its sample, and a probe failing
+        in it must not retire), later blocks tested on some evidence (the trained tiny pair's first blocks fail
+        and its later ones accept), and a uniform batch of the later blocks' population losing to plain."""
+        est = self.estimates
+        if not fails and (self.steps - self._spec_at < RETIRE_AFTER or est.failing_span() <= 2):
+            return None
+        if est.later_tested[0] < THIN_EVIDENCE:
+            return None
+        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
+        if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
+            return None
+        return costs
+
+    def _position_one_fails(self) -> bool:
+        """First and later blocks alike accept position 1 at under SHORT_PROBE_RATE, on ample evidence."""
+        return self.estimates.failing_span() == 2 and self.estimates.failing_span(later=True) == 2
+
+    def _surprise(self) -> int:
+        """Accepted drafts that make a block a surprise: the first position known to fail, else 1."""
+        if self._surprise_at[0] != self._version:
+            fails = min(self.estimates.failing_span(), self.estimates.failing_span(later=True))
+            self._surprise_at = (self._version, fails - 1 if fails < self.block_size else 1)
+        return self._surprise_at[1]
