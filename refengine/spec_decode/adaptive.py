@@ -39,14 +39,7 @@ from refengine.spec_decode.exploration import MIN_EXPLORE
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
-from refengine.spec_decode.span_choice import (
-    Decision,
-    RowsFn,
-    Table,
-    choose_spans,
-    executed_rows,
-    real_rows,
-)
+from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
 
