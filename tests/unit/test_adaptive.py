@@ -635,6 +635,24 @@ def test_requests_retire_in_a_plain_regime_where_position_one_still_accepts():
     assert not pol.retired, "later blocks that would win: nobody retires on poor blocks of its own"
 
 
+def test_no_plain_regime_while_first_blocks_fail_position_one():
+    # while position 1 is known to fail in first blocks and later blocks are not known to, only the position-1
+    # rule may retire (on ample later evidence): a workload turning good shows first in a sampled probe, and
+    # a probe that failed as the turn began must not retire its request (simulation: the rest of its wave sped
+    # up while it stayed plain)
+    pol, rid = _policy_with_failing_first_blocks()
+    for k in range(12):  # some later blocks, accepting position 1 at times: not known to fail there
+        pol.estimates.observe(-100 - k, 2, int(k % 3 == 0), first=False)
+        pol.estimates.release(-100 - k)
+    pol._spec_at = -RETIRE_AFTER  # no decision to speculate for long
+    assert not pol._position_one_fails() and pol.estimates.later_tested[0] >= THIN_EVIDENCE
+    batch = list(range(rid, rid + PROBE_SAMPLE))
+    assert pol.choose(batch, [500] * len(batch)) == [2] + [1] * (PROBE_SAMPLE - 1)
+    pol.observe_acceptance(batch[0], 2, 0)
+    pol.choose(batch, [499] * len(batch))
+    assert not pol.retired, f"retired {sorted(pol.retired)} while first blocks fail position 1"
+
+
 def test_probes_and_explorations_stop_at_the_first_failing_position():
     # the bench's tau 1.3 profile: position 1 accepts in 30% of blocks, position 2 never. A block rejected at
     # position 2 tests nothing past it, so once that is known (ample evidence) a new request's probe and an
