@@ -219,7 +219,8 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     if e.drafter is not None:
         out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
     own_bytes = tbytes + out.get("drafter_weight_bytes", 0)
-    _settle(e, make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed), j.settle_s)
+    settle_batch = make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed)
+    _settle(e, settle_batch, j.settle_s)
     bar = tqdm(
         total=len(j.concurrency) * j.repeats * (1 if mode == "plain" else len(cells)),
         desc=f"bench {mode}",
@@ -232,7 +233,7 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         if mode != "plain":
             set_override(e, override)
         if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
-            _settle(e, make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed), j.settle_s)
+            _settle(e, settle_batch, j.settle_s)
         label = _label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)

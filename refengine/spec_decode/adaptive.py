@@ -73,7 +73,8 @@ class AdaptivePolicy(Retirement):
     _decisions_before: int = 0
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
-    _surprise_at: tuple[int, int] = (-1, 1)  # (version, _surprise() then)
+    _surprise_at: tuple[int, int] = (-1, 1)  # (steps, _surprise() then)
+    _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
