@@ -7,7 +7,9 @@ memory-bound floor. A table on stderr, a tqdm bar on stderr, the JSON as the las
 
 Greedy, ignore_eos. One engine at a time, on CUDA each mode in a fresh process (refengine/bench/suite.py:
 engines side by side, or one after another in a process, ran at different speeds); --processes N repeats
-that N rounds, the modes taking turns, against the noise between processes. Medians over the runs with
+that N rounds, the modes taking turns, against the noise between processes. --paired runs every mode against
+plain in one process, run by run, with a second plain engine as the control (x plain paired: a run's tok/s over
+plain's in its round, median and interquartile range). Medians over the runs with
 the tok/s spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile)
 draws the accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their
 outputs are not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'. Exit
@@ -76,6 +78,12 @@ def add_bench_parser(sub) -> None:
         default=1,
         help="rounds of fresh processes per mode, modes taking turns (needs --isolate, the CUDA default)",
     )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="every mode against plain in one process, run by run, with a second plain engine as the control "
+        "(refengine/bench/paired.py; the resolution for ratios near 1)",
+    )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
     p.add_argument(
@@ -141,6 +149,7 @@ def _cmd(args) -> int:
         settle_s=args.settle_s,
         isolate=args.isolate,
         processes=args.processes,
+        paired=args.paired,
     )
     print_table(
         res["rows"],

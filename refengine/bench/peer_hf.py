@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from refengine.bench.report import throughput_fields
+from refengine.bench.prompts import make_prompts
+from refengine.bench.report import aggregate, throughput_fields
 from refengine.errors import UnsupportedConfigError
 
 
@@ -80,3 +81,23 @@ def make_peer(target: str, *, dtype: torch.dtype, device: str, synthetic: bool, 
 def peer_row(model, label: str, prompts: list[list[int]], new_tokens: int, device: str, floor: float) -> dict[str, Any]:
     tokens, secs = _generate(model, prompts, new_tokens, device)
     return {"mode": "hf", "acceptance": "-", "peer": label, **throughput_fields(tokens, secs, len(prompts), floor)}
+
+
+def peer_rows(results: dict[str, Any], concurrency, compile: bool, floor: float, vocab: int, seed: int, bar) -> None:
+    """HF `generate` rows on the run's checkpoint, prompts, lengths and repeats (read back from `results`)."""
+    from refengine.config import EngineConfig
+
+    target, device, prompts = results["target"], results["device"], results["prompts"]
+    prompt_len, output_tokens, repeats = results["prompt_len"], results["output_tokens"], results["repeats"]
+    dtype = getattr(torch, EngineConfig(target, device=device).torch_dtype_name)
+    model, label = make_peer(
+        target, dtype=dtype, device=device, synthetic=results["synthetic_weights"], compile=compile
+    )
+    for c in concurrency:
+        batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
+        peer_row(model, label, batch, min(output_tokens, 8), device, floor)  # warm-up
+        runs = []
+        for _ in range(repeats):
+            runs.append(peer_row(model, label, batch, output_tokens, device, floor))
+            bar.update()
+        results["rows"].append(aggregate(runs))

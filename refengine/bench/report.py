@@ -22,6 +22,7 @@ COLUMNS = [
     ("prefill ms", "prefill_ms"),
     ("x floor", "x_plain_floor"),
     ("x own ideal", "x_own_ideal"),
+    ("x plain paired (IQR)", "paired_x_plain"),
 ]
 
 
@@ -51,10 +52,17 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row[k] = round(statistics.median(vals), 4)
     tps = [r["tok_per_s"] for r in runs]
     row.update(repeats=len(runs), tok_per_s_min=round(min(tps), 2), tok_per_s_max=round(max(tps), 2))
+    paired = [r["paired_x_plain"] for r in runs if "paired_x_plain" in r]  # (bench --paired)
+    if paired:
+        q = statistics.quantiles(paired, n=4, method="inclusive") if len(paired) > 1 else [paired[0]] * 3
+        row["paired_x_plain_iqr"] = [round(q[0], 4), round(q[2], 4)]
     return row
 
 
 def _cell(row: dict[str, Any], key: str) -> str:
+    if key == "paired_x_plain" and "paired_x_plain_iqr" in row:
+        lo, hi = row["paired_x_plain_iqr"]
+        return f"{row[key]:.3f} ({lo:.3f}-{hi:.3f})"
     if key == "tok_per_s_spread":
         return f"{row['tok_per_s_min']:.1f}-{row['tok_per_s_max']:.1f}" if "tok_per_s_min" in row else ""
     v = row.get(key)

@@ -13,6 +13,7 @@ i.e. against a step that streams both models' weights once and commits tau token
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 from typing import Any
@@ -205,3 +206,29 @@ def engine_for(
 def set_override(engine, override: AcceptanceOverride | None) -> None:
     """Swap the engine's acceptance profile between rows (bench only: the engine's own path never does)."""
     engine.scheduler.acceptance_override = override
+
+
+def row_label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -> str:
+    if override is not None and mode != "plain":
+        return override.label
+    return "-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter")
+
+
+def settle_engine(engine, batch: list[list[int]], seconds: float) -> None:
+    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks."""
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        run_once(engine, batch, 32)
+
+
+def print_profile(engine, prompts, new_tokens: int, label: str) -> None:
+    """Where the time of one short run goes: torch.profiler's top ops, to stderr (not part of the timings)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.target.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        run_once(engine, prompts, new_tokens)
+    events = prof.key_averages()
+    print(f"\n--- profile: {label}, {new_tokens} new tokens ---", file=sys.stderr)
+    for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+        print(events.table(sort_by=key, row_limit=12, max_name_column_width=48), file=sys.stderr)

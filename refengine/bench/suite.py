@@ -22,11 +22,13 @@ import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from refengine.bench.peer_hf import peer_rows
 from refengine.bench.prompts import make_prompts
 from refengine.bench.report import aggregate
 from refengine.bench.run import (
@@ -35,8 +37,11 @@ from refengine.bench.run import (
     engine_for,
     measure_copy_bandwidth,
     measure_row,
+    print_profile,
+    row_label,
     run_once,
     set_override,
+    settle_engine,
     target_weight_bytes,
 )
 from refengine.config import DEFAULT_PAGE_SIZE
@@ -77,11 +82,14 @@ def bench(
     settle_s: float | None = None,
     isolate: bool | None = None,
     processes: int = 1,
+    paired: bool = False,
 ) -> dict[str, Any]:
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
     are over every process's runs, with the per-process medians listed (`process_tok_per_s`): the same
-    engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md, seventh session)."""
+    engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md, seventh session). `paired`: every
+    mode in one process with plain and a second plain engine, run by run (refengine/bench/paired.py); with
+    `isolate` that process is a fresh one, `processes` of them."""
     from tqdm import tqdm
 
     isolate = device.startswith("cuda") if isolate is None else isolate
@@ -90,6 +98,8 @@ def bench(
 
     if draft is None:
         modes = tuple(m for m in modes if m == "plain")
+    if paired and "plain" not in modes:
+        raise BenchError(f"--paired measures every mode against plain decode: add plain to --modes {','.join(modes)}")
     cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in profiles or []] or [None]
     bandwidth = measure_copy_bandwidth(device)
     if device.startswith("cuda"):
@@ -134,35 +144,44 @@ def bench(
     )
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
+    if paired:  # every mode in one process with plain and a control (refengine/bench/paired.py)
+        from refengine.bench.paired import METHOD_PAIRED, measure_paired
+
+        calls: list[tuple[Callable[..., dict[str, Any]], tuple]] = [(measure_paired, (modes, job))]
+    else:
+        calls = [(measure_mode, (mode, job)) for mode in modes]
     for _ in range(processes):
-        for mode in modes:
-            if isolate:  # a fresh process per mode (see the module docstring)
+        for fn, args in calls:
+            if isolate:  # a fresh process per mode, or for the paired engines (see the module docstring)
                 ctx = multiprocessing.get_context("spawn")
                 with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                    out = pool.submit(measure_mode, mode, job).result()
+                    out = pool.submit(fn, *args).result()
             else:
-                out = measure_mode(mode, job)
+                out = fn(*args)
             for cell, cell_runs in out.pop("runs").items():
                 runs.setdefault(cell, []).append(cell_runs)
-            results["graph_captures"][mode] = out.pop("graph_capture")
+            results["graph_captures"].update(out.pop("graph_captures"))
             floor, vocab = out.pop("floor"), out.pop("vocab")
             results.update(out)
-    results["method"] = METHOD_ISOLATED if isolate else METHOD_IN_PROCESS
+    results["method"] = METHOD_PAIRED if paired else (METHOD_ISOLATED if isolate else METHOD_IN_PROCESS)
     results["processes"] = processes
     results["rows"] = [_row(per_process) for per_process in runs.values()]
     if peer:
         bar = tqdm(total=len(concurrency) * repeats, desc="bench hf", unit="run", file=sys.stderr)
-        _peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
+        peer_rows(results, concurrency, peer_compile, floor, vocab, seed, bar)
         bar.close()
     results["rows"].sort(key=lambda r: (r["concurrency"], r["mode"], r["acceptance"]))
     return results
 
 
 def _row(per_process: list[list[dict[str, Any]]]) -> dict[str, Any]:
-    """A cell's row over every process's runs; with several processes, each one's median tok/s too."""
+    """A cell's row over every process's runs; with several processes, each one's median tok/s (and paired
+    ratio) too."""
     row = aggregate([r for runs in per_process for r in runs])
     if len(per_process) > 1:
-        row["process_tok_per_s"] = [round(statistics.median(r["tok_per_s"] for r in runs), 2) for runs in per_process]
+        for key, out in (("tok_per_s", "process_tok_per_s"), ("paired_x_plain", "process_paired_x_plain")):
+            if key in row:
+                row[out] = [round(statistics.median(r[key] for r in runs), 4) for runs in per_process]
     return row
 
 
@@ -197,30 +216,12 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     process on CUDA (a top-level function, so it pickles)."""
     from tqdm import tqdm
 
-    cells: list[AcceptanceProfile | None] = [parse_profile(p) for p in j.profiles] or [None]
-    e = engine_for(
-        mode,
-        j.target,
-        j.draft,
-        device=j.device,
-        synthetic=j.synthetic,
-        max_num_seqs=max(j.concurrency),
-        max_model_len=j.context,
-        override=AcceptanceOverride(cells[0], j.seed) if cells[0] is not None and mode != "plain" else None,
-        graph_mode=j.graph_mode,
-        num_blocks=j.blocks,
-    )
-    t = time.perf_counter()
-    shapes = e.capture_graphs()  # no timed step pays a capture
-    out: dict[str, Any] = {"graph_capture": {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}}
-    tbytes = target_weight_bytes(e.target)
-    floor, vocab = j.bandwidth / tbytes, e.target.cfg.vocab_size
-    out.update(floor=floor, vocab=vocab, target_weight_bytes=tbytes, graph_mode=e.config.graph_mode_name)
-    if e.drafter is not None:
-        out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
-    own_bytes = tbytes + out.get("drafter_weight_bytes", 0)
+    cells = job_profiles(j)
+    e, out = load_engine(mode, j, cells[0])
+    out["graph_captures"] = {mode: out.pop("graph_capture")}
+    floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)
     settle_batch = make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed)
-    _settle(e, settle_batch, j.settle_s)
+    settle_engine(e, settle_batch, j.settle_s)
     bar = tqdm(
         total=len(j.concurrency) * j.repeats * (1 if mode == "plain" else len(cells)),
         desc=f"bench {mode}",
@@ -233,8 +234,8 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         if mode != "plain":
             set_override(e, override)
         if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
-            _settle(e, settle_batch, j.settle_s)
-        label = _label(mode, override, j.synthetic)
+            settle_engine(e, settle_batch, j.settle_s)
+        label = row_label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
             run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
@@ -245,59 +246,53 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
                 runs.setdefault((mode, label, c), []).append(row)
                 bar.update()
             if j.profile_ops and c == j.concurrency[0]:
-                _profile(e, batch, min(j.output_tokens, 16), f"{mode} {label} c={c}")
+                print_profile(e, batch, min(j.output_tokens, 16), f"{mode} {label} c={c}")
     bar.close()
     e.close()
     del e  # in-process: freed before the next mode's engine (or the peer) loads its own copy of the weights
-    gc.collect()
-    if j.device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    free_memory(j.device)
     out["runs"] = runs
     return out
 
 
-def _label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -> str:
-    if override is not None and mode != "plain":
-        return override.label
-    return "-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter")
+def job_profiles(j: ModeJob) -> list[AcceptanceProfile | None]:
+    """The job's acceptance profiles in order ([None]: the drafter's own acceptance)."""
+    return [parse_profile(p) for p in j.profiles] or [None]
 
 
-def _settle(engine, batch: list[list[int]], seconds: float) -> None:
-    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks."""
-    t = time.perf_counter()
-    while time.perf_counter() - t < seconds:
-        run_once(engine, batch, 32)
-
-
-def _peer_rows(results: dict[str, Any], concurrency, compile: bool, floor: float, vocab: int, seed: int, bar) -> None:
-    """HF `generate` rows on the run's checkpoint, prompts, lengths and repeats (read back from `results`)."""
-    from refengine.bench.peer_hf import make_peer, peer_row
-    from refengine.config import EngineConfig
-
-    target, device, prompts = results["target"], results["device"], results["prompts"]
-    prompt_len, output_tokens, repeats = results["prompt_len"], results["output_tokens"], results["repeats"]
-    dtype = getattr(torch, EngineConfig(target, device=device).torch_dtype_name)
-    model, label = make_peer(
-        target, dtype=dtype, device=device, synthetic=results["synthetic_weights"], compile=compile
+def load_engine(mode: str, j: ModeJob, first: AcceptanceProfile | None) -> tuple[Any, dict[str, Any]]:
+    """A mode's engine with every graph shape captured (no timed step pays a capture), under the profile
+    `first`; and what the JSON records about it (graph_capture, floor, vocab, weight bytes, graph_mode)."""
+    e = engine_for(
+        mode,
+        j.target,
+        j.draft,
+        device=j.device,
+        synthetic=j.synthetic,
+        max_num_seqs=max(j.concurrency),
+        max_model_len=j.context,
+        override=AcceptanceOverride(first, j.seed) if first is not None and mode != "plain" else None,
+        graph_mode=j.graph_mode,
+        num_blocks=j.blocks,
     )
-    for c in concurrency:
-        batch = make_prompts(prompts, c, prompt_len, vocab, target, seed)
-        peer_row(model, label, batch, min(output_tokens, 8), device, floor)  # warm-up
-        runs = []
-        for _ in range(repeats):
-            runs.append(peer_row(model, label, batch, output_tokens, device, floor))
-            bar.update()
-        results["rows"].append(aggregate(runs))
+    t = time.perf_counter()
+    shapes = e.capture_graphs()
+    out: dict[str, Any] = {"graph_capture": {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}}
+    tbytes = target_weight_bytes(e.target)
+    out.update(floor=j.bandwidth / tbytes, vocab=e.target.cfg.vocab_size, target_weight_bytes=tbytes)
+    out["graph_mode"] = e.config.graph_mode_name
+    if e.drafter is not None:
+        out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
+    return e, out
 
 
-def _profile(engine, prompts, new_tokens: int, label: str) -> None:
-    """Where the time of one short run goes: torch.profiler's top ops, to stderr (not part of the timings)."""
-    from torch.profiler import ProfilerActivity, profile
+def job_own_bytes(facts: dict[str, Any]) -> int:
+    """Target plus drafter weight bytes (DFlash's own memory-bound ideal)."""
+    return int(facts["target_weight_bytes"] + facts.get("drafter_weight_bytes", 0))
 
-    cuda = engine.target.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        run_once(engine, prompts, new_tokens)
-    events = prof.key_averages()
-    print(f"\n--- profile: {label}, {new_tokens} new tokens ---", file=sys.stderr)
-    for key in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
-        print(events.table(sort_by=key, row_limit=12, max_name_column_width=48), file=sys.stderr)
+
+def free_memory(device: str) -> None:
+    """Give the memory of engines no longer referenced back before the next one loads (in-process runs)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels),
 that a rejected request fails the run (exit 2 and a message), that a profile run labels every speculating
 row and reproduces the profile's tau, that each mode's engine runs alone (freed before the next loads; plain
-once per concurrency), the bundled prompt sets, and the HF peer row.
+once per concurrency), the paired method (rounds rotating, ratios to plain in the same round, the control),
+the bundled prompt sets, and the HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -120,7 +121,7 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
         built.append(weakref.ref(e))
         return e
 
-    settle = suite._settle
+    settle = suite.settle_engine
 
     def settled(engine, batch, seconds):
         order.append(("settle", "adaptive" if engine.scheduler.policy else "-", len(batch)))
@@ -128,7 +129,7 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
 
     monkeypatch.setattr(suite, "measure_row", spy)
     monkeypatch.setattr(suite, "engine_for", build)
-    monkeypatch.setattr(suite, "_settle", settled)
+    monkeypatch.setattr(suite, "settle_engine", settled)
     res = suite.bench(
         str(RANDOM_PAIR / "target"),
         str(RANDOM_PAIR / "draft"),
@@ -227,7 +228,8 @@ def test_bench_isolated_modes_match_in_process():
 
 def test_bench_processes_rounds_list_each_processs_median():
     """`processes=2`: each mode measured in two fresh processes (modes taking turns); a row's medians are over
-    both processes' runs and it lists each process's median tok/s. Several processes need isolation."""
+    both processes' runs and it lists each process's median tok/s (paired: each process's median ratio to
+    plain). Several processes need isolation."""
     import refengine.bench.suite as suite
 
     kw = dict(device="cpu", synthetic=False, concurrency=[1], prompt_len=8, output_tokens=3, repeats=1)
@@ -240,6 +242,11 @@ def test_bench_processes_rounds_list_each_processs_median():
         assert max(row["process_tok_per_s"]) <= row["tok_per_s_max"], row
     with pytest.raises(BenchError, match="processes=2"):
         suite.bench(*pair, modes=("plain",), isolate=False, processes=2, **kw)
+    # --paired in fresh processes: one process per round holds every engine; its rows list each one's ratio
+    res = suite.bench(*pair, modes=("plain", "dflash"), isolate=True, processes=2, paired=True, **kw)
+    ratios = {r["acceptance"]: r.get("process_paired_x_plain") for r in res["rows"]}
+    assert len(res["rows"]) == 3 and ratios["-"] is None, res["rows"]
+    assert all(len(v) == 2 for k, v in ratios.items() if k != "-"), ratios
 
 
 def test_bench_cli_isolate_runs_each_mode_in_a_fresh_process():
@@ -263,3 +270,54 @@ def test_bench_cli_isolate_runs_each_mode_in_a_fresh_process():
     assert run.returncode == 0, run.stderr[-2000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])
     assert res["method"] == METHOD_ISOLATED and {r["mode"] for r in res["rows"]} == {"plain", "dflash", "adaptive"}
+
+
+def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys, monkeypatch):
+    """`--paired`: plain, a second plain engine (the control) and each mode in one process; every round runs
+    each engine once, the first engine rotating; each run's paired_x_plain is its tok/s over plain's run in
+    the same round, a row's is the median with the interquartile range; plain and the control run in every
+    profile's rounds; --paired without plain fails with a message."""
+    import statistics
+
+    import refengine.bench.paired as paired
+
+    seen: list[tuple[str, str, int, float]] = []
+    measure = paired.measure_row
+
+    def spy(engine, mode, label, batch, *rest):
+        row = measure(engine, mode, label, batch, *rest)
+        seen.append((mode, label, len(batch), row["tok_per_s"]))
+        return row
+
+    monkeypatch.setattr(paired, "measure_row", spy)
+    argv = [*RANDOM, "--paired", "--modes", "plain,adaptive", "--acceptance-profile", "tau1,tau3"]
+    rc, res, err = _bench(capsys, *argv, "--output-tokens", "4", "--repeats", "3")
+    assert rc == 0 and res is not None and res["method"] == paired.METHOD_PAIRED, err[-2000:]
+    names = [("plain", "-"), ("plain", paired.CONTROL)]
+    rounds = [seen[i : i + 3] for i in range(0, len(seen), 3)]
+    assert len(rounds) == 2 * 2 * 3, f"{len(rounds)} rounds: 2 profiles x 2 concurrencies x 3 repeats"
+    for k, rnd in enumerate(rounds):
+        profile = ("tau1", "tau3")[k // 6]
+        engines = [*names, ("adaptive", f"profile {profile}")]
+        shift = k % 3
+        assert [x[:2] for x in rnd] == engines[shift:] + engines[:shift], f"round {k}: {rnd}"
+    rows = {(r["mode"], r["acceptance"], r["concurrency"]): r for r in res["rows"]}
+    for c in (1, 2):
+        assert rows[("plain", "-", c)]["repeats"] == 6 and "paired_x_plain" not in rows[("plain", "-", c)]
+        for key in (("plain", paired.CONTROL, c), ("adaptive", "profile tau1", c), ("adaptive", "profile tau3", c)):
+            row = rows[key]
+            ratios = sorted(
+                x[3] / p[3]
+                for rnd in rounds
+                for x in rnd
+                for p in rnd
+                if x[:3] == key and p[:2] == names[0] and p[2] == c
+            )
+            assert len(ratios) == row["repeats"] and row["paired_x_plain"] == pytest.approx(
+                statistics.median(ratios), abs=1e-3
+            )
+            lo, hi = row["paired_x_plain_iqr"]
+            assert lo <= row["paired_x_plain"] <= hi, row
+    assert "x plain paired (IQR)" in err and res["graph_captures"].keys() == {"plain", "control", "adaptive"}
+    rc, _, err = _bench(capsys, *RANDOM, "--paired", "--modes", "adaptive", "--output-tokens", "2")
+    assert rc == 2 and "add plain to --modes" in err, err[-500:]

@@ -1,0 +1,97 @@
+"""`refengine bench --paired`: every mode against plain decode in one process, run by run, with a second plain
+engine as the control.
+
+The default bench measures each mode in a fresh process, so a ratio between two modes carries the noise
+between processes: the same plain engine ran 5-11% apart from one process to the next on the H200 (docs/
+PERF.md, runs 58-65), far more than adaptive's distance from plain where speculation cannot win (tau 1, 1.3).
+Here one process holds plain, a second plain engine (the control) and each requested mode; each cell's
+`repeats` rounds run every engine once, the order rotating from round to round, and each run's
+`paired_x_plain` is its tok/s over the plain engine's in the same round. The control's `paired_x_plain` is the
+method's own resolution: two identical engines differ by it (their weights and graphs at other addresses,
+their turn in the rotation), so a mode whose ratio to plain lies within the control's spread of 1 is not
+distinguishable from plain here. The price: engines side by side run a little slower than one alone (the
+sixth session's finding), equally for all of them as far as the control shows.
+
+Plain and the control run in every profile's rounds (the pairs need them); their rows gather all of those.
+Adaptive settles again under each profile after the first, as in the default method.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from refengine.bench.prompts import make_prompts
+from refengine.bench.run import measure_row, print_profile, row_label, run_once, set_override, settle_engine
+from refengine.bench.suite import ModeJob, free_memory, job_own_bytes, job_profiles, load_engine
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride
+
+CONTROL = "control (a second plain engine)"  # the control rows' acceptance label (mode "plain")
+METHOD_PAIRED = (
+    "paired: plain, a second plain engine (the control) and each mode in one process, settled, then each"
+    " profile's cells in rounds, every engine once a round in rotating order (adaptive settled again under each"
+    " later profile); paired_x_plain = a run's tok/s / plain's in its round"
+)
+
+
+def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
+    """One process's paired measurement: its runs by (mode, label, concurrency) and what the JSON records about
+    the engines (a top-level function, so it pickles to a fresh process)."""
+    from tqdm import tqdm
+
+    cells = job_profiles(j)
+    names = ["plain", "control", *(m for m in modes if m != "plain")]
+    engines: dict[str, Any] = {}
+    out: dict[str, Any] = {"graph_captures": {}}
+    for name in names:
+        mode = "plain" if name == "control" else name
+        engines[name], facts = load_engine(mode, j, cells[0])
+        out["graph_captures"][name] = facts.pop("graph_capture")
+        out.update(facts)
+    floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)
+    settle_batch = make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed)
+    for e in engines.values():  # the chip is warm after the first: the load is shared out
+        settle_engine(e, settle_batch, j.settle_s / len(engines))
+    bar = tqdm(total=len(cells) * len(j.concurrency) * j.repeats, desc="bench paired", unit="round", file=sys.stderr)
+    runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for k, prof in enumerate(cells):
+        override = AcceptanceOverride(prof, j.seed) if prof is not None else None
+        labels = {}
+        for name, e in engines.items():
+            mode = "plain" if name == "control" else name
+            if mode != "plain":
+                set_override(e, override)
+            if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last
+                settle_engine(e, settle_batch, j.settle_s)
+            labels[name] = CONTROL if name == "control" else row_label(mode, override, j.synthetic)
+        for c in j.concurrency:
+            batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
+            for e in engines.values():
+                run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+                if e.scheduler.policy is not None:
+                    e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
+            for r in range(j.repeats):
+                order = names[r % len(names) :] + names[: r % len(names)]  # each engine first in turn
+                got = {}
+                for name in order:
+                    mode = "plain" if name == "control" else name
+                    got[name] = measure_row(
+                        engines[name], mode, labels[name], batch, j.output_tokens, floor, own_bytes, j.bandwidth
+                    )
+                base = got["plain"]["tok_per_s"]
+                for name, row in got.items():
+                    if name != "plain":
+                        row["paired_x_plain"] = round(row["tok_per_s"] / base, 4)
+                    mode = "plain" if name == "control" else name
+                    runs.setdefault((mode, labels[name], c), []).append(row)
+                bar.update()
+            if j.profile_ops and c == j.concurrency[0]:
+                for name, e in engines.items():
+                    print_profile(e, batch, min(j.output_tokens, 16), f"{name} {labels[name]} c={c}")
+    bar.close()
+    for e in engines.values():
+        e.close()
+    engines.clear()  # freed before the peer (or the next process's engines) loads
+    free_memory(j.device)
+    out["runs"] = runs
+    return out
