@@ -140,6 +140,7 @@ class Engine:
             self.runner.while_waiting = self.scheduler.costs.feed
         self._ids = itertools.count()
         self.finished: list[Request] = []
+        self.last_plan: Plan | None = None  # the plan the last step ran (None: it had no work)
 
     def _default_num_blocks(self, dtype: torch.dtype, draft_cfg: DFlashConfig | None) -> int:
         """Planned from device memory on CUDA (before the drafter loads: the reservation bills it), else
@@ -240,7 +241,7 @@ class Engine:
         rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
         serving."""
         sched = self.scheduler
-        plan = sched.schedule()
+        plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:
                 result = self.runner.execute(plan)

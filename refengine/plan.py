@@ -42,6 +42,17 @@ class VerifyPlan:
 
 
 Plan = PrefillPlan | DecodePlan | VerifyPlan
+PLAN_KINDS = ("prefill", "decode", "decode_taps", "verify")
+
+
+def plan_kind(plan: Plan) -> str:
+    """The step's kind for timings (refengine bench): a decode step that writes its speculating requests' tap
+    features (`decode_taps`) is told apart from plain decode's own step (`decode`)."""
+    if isinstance(plan, PrefillPlan):
+        return "prefill"
+    if isinstance(plan, DecodePlan):
+        return "decode_taps" if plan.capture else "decode"
+    return "verify"
 
 
 @dataclass

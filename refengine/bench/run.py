@@ -6,6 +6,9 @@ Per-step columns (ms, per step of that kind):
   (draft and verify per verify step: a DFlash step is one draft + one verify);
 - host: the wall time of engine.step() minus the runner's synchronised compute, over all steps: scheduling,
   commit, acceptance, and the Python between phases (batch tensors are built inside the runner's timed part).
+- by step kind (JSON only): `<kind>_steps` and `<kind>_wall_ms`, the steps of each plan kind in a run and
+  their wall time (prefill, decode: plain decode's own step, decode_taps: a span-1 step of speculating
+  requests that writes their tap features, verify), so a difference between two modes can be placed.
 Ratios: x_plain_floor = tok/s / (copy bandwidth / target weight bytes), the memory-bound floor of a batch-1
 plain decode step; x_own_ideal (DFlash) = per-request tok/s / (tau * bandwidth / (target + drafter bytes)),
 i.e. against a step that streams both models' weights once and commits tau tokens.
@@ -22,6 +25,7 @@ import torch
 
 from refengine.bench.report import throughput_fields
 from refengine.errors import RefEngineError
+from refengine.plan import PLAN_KINDS, plan_kind
 from refengine.request import SamplingParams, SpecStats
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
@@ -106,10 +110,17 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
             f"{len(bad)} of {len(reqs)} bench requests were rejected ({bad[0].reject_reason.value}): {bad[0].message}"
         )
     step_wall = 0.0
+    kinds: Counter = Counter()  # plan kind -> steps
+    kind_wall: dict[str, float] = dict.fromkeys(PLAN_KINDS, 0.0)  # plan kind -> wall seconds of its steps
     while engine.has_work():
         ts = time.perf_counter()
         engine.step()
-        step_wall += time.perf_counter() - ts
+        dt = time.perf_counter() - ts
+        step_wall += dt
+        if engine.last_plan is not None:
+            kind = plan_kind(engine.last_plan)
+            kinds[kind] += 1
+            kind_wall[kind] += dt
     _sync(device)
     secs = time.perf_counter() - t0
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
@@ -129,6 +140,8 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
         "stats": stats,
         "host_s": max(step_wall - compute, 0.0),
         "steps": sum(plans.values()),
+        "kind_steps": kinds,
+        "kind_wall_s": kind_wall,
     }
 
 
@@ -152,6 +165,10 @@ def measure_row(
         "prefill_ms": round(t["prefill_s"] * 1e3, 3),  # the run's prefill steps together (part of its seconds)
         "steps": r["steps"],
     }
+    for kind in PLAN_KINDS:  # where the run's wall time went, by step kind (decode_taps: adaptive's span-1 steps
+        if r["kind_steps"][kind]:  # that still write tap features; decode: plain decode's own step)
+            row[f"{kind}_steps"] = r["kind_steps"][kind]
+            row[f"{kind}_wall_ms"] = round(r["kind_wall_s"][kind] * 1e3, 3)
     if plans.get("decode"):
         row["decode_ms_per_step"] = round(t["decode_s"] * 1e3 / plans["decode"], 4)
     if mode != "plain":

@@ -1,9 +1,9 @@
 """`refengine bench` on the CPU with quick settings (the tiny pairs, concurrency 1,2, a few tokens, 1 repeat):
-the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels),
-that a rejected request fails the run (exit 2 and a message), that a profile run labels every speculating
-row and reproduces the profile's tau, that each mode's engine runs alone (freed before the next loads; plain
-once per concurrency), the paired method (rounds rotating, ratios to plain in the same round, the control),
-the bundled prompt sets, and the HF peer row.
+the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels, the
+steps and wall time by step kind), that a rejected request fails the run (exit 2 and a message), that a
+profile run labels every speculating row and reproduces the profile's tau, that each mode's engine runs alone
+(freed before the next loads; plain once per concurrency), the paired method (rounds rotating, ratios to
+plain in the same round, the control), the bundled prompt sets, and the HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -18,6 +18,7 @@ from refengine.bench.prompts import make_prompts
 from refengine.bench.run import BenchError
 from refengine.cli import main
 from refengine.defaults import RANDOM_PAIR, TRAINED_PAIR
+from refengine.plan import PLAN_KINDS
 from tests.adapter import first_divergence
 
 QUICK = ["bench", "--device", "cpu", "--concurrency", "1,2", "--prompt-len", "8", "--repeats", "1"]
@@ -61,6 +62,12 @@ def test_bench_json_shape(capsys, tmp_path):
         assert want <= set(r), f"{r['mode']} row lacks {sorted(want - set(r))}"
         assert r["tokens"] == 6 * r["concurrency"] and r["tok_per_s"] > 0
         assert r["acceptance"] == ("-" if r["mode"] == "plain" else "real drafter")
+        # where the run's time went, by step kind: every step counted once, within the run's wall time
+        kinds = {k for k in PLAN_KINDS if f"{k}_steps" in r}
+        assert sum(r[f"{k}_steps"] for k in kinds) == r["steps"], r
+        assert 0 < sum(r[f"{k}_wall_ms"] for k in kinds) <= r["seconds"] * 1e3, r
+        allowed = {"plain": {"prefill", "decode"}, "dflash": {"prefill", "verify"}}.get(r["mode"], set(PLAN_KINDS))
+        assert "prefill" in kinds and kinds <= allowed, (r["mode"], kinds)
     assert "policy" in next(r for r in rows if r["mode"] == "adaptive")
     assert "x own ideal" in err and "adaptive" in err  # the table on stderr
     assert res["copy_bandwidth_bytes_per_s"] > 0 and res["target_weight_bytes"] > 0
