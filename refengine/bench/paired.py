@@ -89,9 +89,9 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                 for name, e in engines.items():
                     print_profile(e, batch, min(j.output_tokens, 16), f"{name} {labels[name]} c={c}")
     bar.close()
-    for e in engines.values():
-        e.close()
-    engines.clear()  # freed before the peer (or the next process's engines) loads
+    for name in list(engines):
+        engines.pop(name).close()
+    e = None  # the loops' last engine too: every one freed before the peer (or the next engines) loads
     free_memory(j.device)
     out["runs"] = runs
     return out
