@@ -24,7 +24,9 @@ Model (all online, with priors):
   cost per carried row, and charged to the explorations that would cause one (observe_step).
 - exploration and probes (refengine/spec_decode/exploration.py): within a budget, the losing kind is tried
   now and then, and new requests draft a block on their first step; while position 1 fails or in a plain
-  regime, a sample of them, and requests retire from speculation (refengine/spec_decode/probe_sample.py).
+  regime, a sample of them, and requests retire from speculation (refengine/spec_decode/probe_sample.py); in
+  small batches, requests decoding plainly draft a block again now and then (re-probes: a generation's
+  acceptance can turn good midway).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
-from refengine.spec_decode.exploration import MIN_EXPLORE
+from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
-from refengine.spec_decode.probe_sample import ProbeSample
+from refengine.spec_decode.probe_sample import PROBE_SAMPLE, ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
@@ -53,6 +55,7 @@ class AdaptivePolicy(Retirement):
     rows: RowsFn = real_rows
     estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
+    _drafted_at: dict[int, int] = field(default_factory=dict)  # req -> the decision of its last draft
     pending: Callable[[int], int] | None = None  # the proposer's rows a request carries (DFlashLane.pending_rows)
     catch_ups: int = 0  # catch-up flushes observed
     _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
@@ -61,6 +64,8 @@ class AdaptivePolicy(Retirement):
     elapsed_s: float = 0.0  # measured time of the steps observed so far
     regret_s: float = 0.0  # predicted time exploration has cost so far (at most EXPLORE_BUDGET x elapsed_s)
     probes: int = 0  # new requests given a full block to measure their acceptance
+    reprobes: int = 0  # of those probes, re-probes of requests decoding plainly (exploration.REPROBE_EVERY)
+    reprobe_every: int = REPROBE_EVERY  # small batches' re-probe period, in decisions (0: no re-probes)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     _next_explore: int = MIN_EXPLORE
@@ -98,7 +103,7 @@ class AdaptivePolicy(Retirement):
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
-        self.explored, self.searched, self.probes, self.caps = 0, 0, 0, Counter()
+        self.explored, self.searched, self.probes, self.reprobes, self.caps = 0, 0, 0, 0, Counter()
         self.sample.unprobed = self.sample.retirements = 0
         self._decisions_before = self.steps
 
@@ -149,6 +154,9 @@ class AdaptivePolicy(Retirement):
             return False
         if self.steps + 1 == self._spec_at + RETIRE_AFTER:
             return False  # a plain regime begins: the full choice looks for requests to retire
+        every = self.reprobe_every
+        if every and (self.steps + 1) % every == 0 and len(key[1]) < PROBE_SAMPLE:
+            return False  # re-probes are due (exploration.py)
         self.steps += 1
         self.caps[1] += 1
         return True
@@ -251,10 +259,12 @@ class AdaptivePolicy(Retirement):
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
+        self._drafted_at[req_id] = self.steps
 
     def release(self, req_id: int) -> None:
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
+        self._drafted_at.pop(req_id, None)
         self.sample.release(req_id)
 
     def summary(self) -> dict:

@@ -29,6 +29,16 @@ same condition, or in a plain regime (refengine/spec_decode/retirement.py), only
 requests retire from speculation (refengine/spec_decode/probe_sample.py: PROBE_SAMPLE, retirement). So where
 plain wins, adaptive loses a speculative step per PROBE_SAMPLE requests (per request in small batches, or
 while evidence is thin) plus about EXPLORE_BUDGET to plain decode (and the error of its predictions).
+
+Re-probes, in a batch of fewer than PROBE_SAMPLE requests: every REPROBE_EVERY decisions, each request that
+decodes plainly, has drafted before, is not retired, has more than a block left and last drafted at least
+REPROBE_EVERY / 2 decisions ago drafts a block (up to the first position known to fail in later blocks),
+unbudgeted like a first-step probe. A request's acceptance can turn good midway: the trained tiny pair's
+text falls into loops after 10-40 poor blocks, and then its blocks accept all 15 drafts; judged by its first
+blocks it decoded plainly to the end (dev CPU, c1: adaptive 128 tok/s, plain 136, fixed DFlash 486; with
+re-probes adaptive 462). In simulation (tests/unit/test_adaptive_reprobe.py) such a turn went from 0.69 to
+0.96 of the better mode at c1; stationary poor workloads at c1 lost 0.1-0.2% (requests not yet retired
+re-probe). Not in larger batches: there, turns from acceptance 0 to 0.6-0.85 ran 2-15% slower with them.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from refengine.spec_decode.step_costs import CostModel
 PROBE_STEPS = 3  # drafting steps a request is probed for while it keeps accepting (see _probing)
 EXPLORE_BUDGET = 0.005  # exploration may cost at most this share of the measured step time (predicted regret)
 MIN_EXPLORE, MAX_EXPLORE = 16, 256
+REPROBE_EVERY = 64  # small batches: every this many decisions, requests decoding plainly draft a block again
 THIN_EVIDENCE = 8.0  # while first blocks have tested position 1 fewer times (decayed), a first-step probe that
 # accepted nothing is repeated once, unbudgeted like it (see the module docstring)
 
@@ -60,6 +71,8 @@ class Exploration:
     elapsed_s: float
     regret_s: float
     probes: int
+    reprobes: int
+    reprobe_every: int
     probe_regret_s: float
     interval: int
     explored: int
@@ -67,6 +80,7 @@ class Exploration:
     _next_explore: int
     _explored_kind: bool | None
     _version: int
+    _drafted_at: dict[int, int]
 
     def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
         raise NotImplementedError
@@ -123,6 +137,26 @@ class Exploration:
             self.probes += len(new)
             self.caps[d.cap] += 1
             return spans
+        every = self.reprobe_every
+        if every and n < PROBE_SAMPLE and self.steps % every == 0:  # re-probes (small batches): see REPROBE_EVERY
+            again = [
+                i
+                for i, r in enumerate(req_ids)
+                if d.spans[i] == 1
+                and remaining[i] > b
+                and r in self.drafted
+                and r not in self.sample.retired
+                and self.steps - self._drafted_at.get(r, 0) >= every // 2
+            ]
+            if again:
+                spans, span = list(d.spans), self.estimates.failing_span(later=True)  # (as an exploration's)
+                for i in again:
+                    spans[i] = min(span, remaining[i])
+                self.probe_regret_s += self._regret(spans, tables, d, req_ids)
+                self.probes += len(again)
+                self.reprobes += len(again)
+                self.caps[d.cap] += 1
+                return spans
         fresh = [
             i
             for i, r in enumerate(req_ids)

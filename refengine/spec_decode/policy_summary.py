@@ -17,6 +17,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "explored": policy.explored,
         "searched": policy.searched,
         "probes": policy.probes,
+        "reprobes": policy.reprobes,
         "unprobed": policy.unprobed,
         "retired": policy.retirements,
         "explore_interval": policy.interval,

@@ -266,6 +266,7 @@ def _simulate_phases(
     true: CostModel | None = None,
     catch_up_row_s: float = 0.0,
     catch_up_fixed_s: float = 0.0,
+    switch: tuple[int, float] | None = None,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -273,7 +274,8 @@ def _simulate_phases(
     prompt is poorer than the rest). `catch_up_row_s`: a draft also pays this per context row its requests
     carry since their last draft (a prompt of 128 rows at first) whenever one carries more than a block (the
     lane's eager catch-up), plus `catch_up_fixed_s` once (its launches and syncs), reported to the policy as
-    the scheduler does."""
+    the scheduler does. `switch` (tokens, p): once a request has committed that many tokens, its drafts are
+    accepted with p instead (a generation that turns repetitive, as the trained tiny pair's text loops)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -304,6 +306,8 @@ def _simulate_phases(
                 pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
                 for r, s in zip(live, spans):
                     p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
+                    if switch is not None and tokens - left[r] >= switch[0]:
+                        p = switch[1]
                     if s > 1:
                         drafted_once.add(r)
                     m = 0

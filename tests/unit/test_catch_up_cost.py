@@ -57,6 +57,7 @@ def test_policy_learns_catch_up_cost_and_charges_explorations():
     pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
     pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
     pol._next_explore = 10**9  # no exploration step in the stretches below
+    pol.reprobe_every = 0  # nor a re-probe (tests/unit/test_adaptive_reprobe.py): the stretches stay plain
     ids = list(range(4))
     assert pol.choose(ids, [900] * 4) == [B] * 4  # new requests: first-step probes (prompt rows unknown)
     for r in ids:
