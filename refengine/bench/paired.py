@@ -41,11 +41,11 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
 
     cells = job_profiles(j)
     names = ["plain", "control", *(m for m in modes if m != "plain")]
+    mode_of = {name: "plain" if name == "control" else name for name in names}  # the control is a plain engine
     engines: dict[str, Any] = {}
     out: dict[str, Any] = {"graph_captures": {}}
     for name in names:
-        mode = "plain" if name == "control" else name
-        engines[name], facts = load_engine(mode, j, cells[0])
+        engines[name], facts = load_engine(mode_of[name], j, cells[0])
         out["graph_captures"][name] = facts.pop("graph_capture")
         out.update(facts)
     floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)
@@ -58,7 +58,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
         override = AcceptanceOverride(prof, j.seed) if prof is not None else None
         labels = {}
         for name, e in engines.items():
-            mode = "plain" if name == "control" else name
+            mode = mode_of[name]
             if mode != "plain":
                 set_override(e, override)
             if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last
@@ -74,16 +74,21 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                 order = names[r % len(names) :] + names[: r % len(names)]  # each engine first in turn
                 got = {}
                 for name in order:
-                    mode = "plain" if name == "control" else name
                     got[name] = measure_row(
-                        engines[name], mode, labels[name], batch, j.output_tokens, floor, own_bytes, j.bandwidth
+                        engines[name],
+                        mode_of[name],
+                        labels[name],
+                        batch,
+                        j.output_tokens,
+                        floor,
+                        own_bytes,
+                        j.bandwidth,
                     )
                 base = got["plain"]["tok_per_s"]
                 for name, row in got.items():
                     if name != "plain":
                         row["paired_x_plain"] = round(row["tok_per_s"] / base, 4)
-                    mode = "plain" if name == "control" else name
-                    runs.setdefault((mode, labels[name], c), []).append(row)
+                    runs.setdefault((mode_of[name], labels[name], c), []).append(row)
                 bar.update()
             if j.profile_ops and c == j.concurrency[0]:
                 for name, e in engines.items():

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
-from refengine.spec_decode.probe_sample import PROBE_SAMPLE, ProbeSample
+from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
@@ -154,9 +154,8 @@ class AdaptivePolicy(Retirement):
             return False
         if self.steps + 1 == self._spec_at + RETIRE_AFTER:
             return False  # a plain regime begins: the full choice looks for requests to retire
-        every = self.reprobe_every
-        if every and (self.steps + 1) % every == 0 and len(key[1]) < PROBE_SAMPLE:
-            return False  # re-probes are due (exploration.py)
+        if self._reprobes_due(len(key[1]), self.steps + 1):
+            return False  # the full choice re-probes (exploration.py)
         self.steps += 1
         self.caps[1] += 1
         return True

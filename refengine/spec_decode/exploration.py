@@ -130,15 +130,12 @@ class Exploration:
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few), up to the first
             # position known to fail (AcceptanceEstimates.failing_span)
-            spans = list(d.spans)
-            for i in new:
-                spans[i] = min(probe, remaining[i])
+            spans = _widened(d.spans, new, probe, remaining)
             self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
             self.probes += len(new)
             self.caps[d.cap] += 1
             return spans
-        every = self.reprobe_every
-        if every and n < PROBE_SAMPLE and self.steps % every == 0:  # re-probes (small batches): see REPROBE_EVERY
+        if self._reprobes_due(n, self.steps):  # re-probes (small batches): see REPROBE_EVERY
             again = [
                 i
                 for i, r in enumerate(req_ids)
@@ -146,12 +143,10 @@ class Exploration:
                 and remaining[i] > b
                 and r in self.drafted
                 and r not in self.sample.retired
-                and self.steps - self._drafted_at.get(r, 0) >= every // 2
+                and self.steps - self._drafted_at[r] >= self.reprobe_every // 2
             ]
-            if again:
-                spans, span = list(d.spans), self.estimates.failing_span(later=True)  # (as an exploration's)
-                for i in again:
-                    spans[i] = min(span, remaining[i])
+            if again:  # (up to the first position known to fail in later blocks, as an exploration)
+                spans = _widened(d.spans, again, self.estimates.failing_span(later=True), remaining)
                 self.probe_regret_s += self._regret(spans, tables, d, req_ids)
                 self.probes += len(again)
                 self.reprobes += len(again)
@@ -164,14 +159,11 @@ class Exploration:
         ]
         if fresh:  # follow-up probes of requests still being learnt, as many as the budget affords
             budget = self._budget(remaining) if budget is None else budget
-            trial = list(d.spans)
-            trial[fresh[0]] = min(b, remaining[fresh[0]])
+            trial = _widened(d.spans, fresh[:1], b, remaining)
             one = self._regret(trial, tables, d, req_ids)
             k = len(fresh) if one <= budget else 0  # when one probe is unaffordable, so is any: no search
             while k:
-                trial = list(d.spans)
-                for i in fresh[:k]:
-                    trial[i] = min(b, remaining[i])
+                trial = _widened(d.spans, fresh[:k], b, remaining)
                 regret = self._regret(trial, tables, d, req_ids) if k > 1 else one
                 if regret <= budget:
                     self.regret_s += regret
@@ -180,6 +172,11 @@ class Exploration:
                     return trial
                 k //= 2
         return None
+
+    def _reprobes_due(self, n: int, step: int) -> bool:
+        """Decision `step` of a batch of n re-probes the requests decoding plainly (see REPROBE_EVERY)."""
+        every = self.reprobe_every
+        return bool(every) and n < PROBE_SAMPLE and step % every == 0
 
     def _budget(self, remaining: list[int]) -> float:
         """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus
@@ -212,3 +209,11 @@ class Exploration:
         bench's tau 1.3 profile, every such request stayed unsettled and out of retirement.)"""
         steps, last = self.drafted.get(req_id, (0, 0))
         return steps < PROBE_STEPS and last >= self._surprise()
+
+
+def _widened(spans: list[int], indices: list[int], span: int, remaining: list[int]) -> list[int]:
+    """`spans` with the requests at `indices` drafting `span` (within their remaining budget)."""
+    out = list(spans)
+    for i in indices:
+        out[i] = min(span, remaining[i])
+    return out
