@@ -10,6 +10,8 @@ requests on the pool's dummy pages), planned on the host before every replay.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from refengine.attention.base import AttnBatch
@@ -52,6 +54,7 @@ class FlashInferGraphAttention:
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._indices = torch.zeros(pages, dtype=torch.int32, device=dev)
+        self._indices_staging = torch.zeros(pages, dtype=torch.int32, device=dev)  # plan() copies it to _indices
         self._last = torch.zeros(batch, dtype=torch.int32, device=dev)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             ws,
@@ -66,18 +69,37 @@ class FlashInferGraphAttention:
         self._planned = False
 
     def plan(self, batch: AttnBatch) -> None:
+        """Every host array goes through pinned memory and the page indices reach the wrapper as a device
+        tensor: FlashInfer copies pageable or host indices synchronously (a stream sync), which would make a
+        verify's plan wait for the draft graph queued before it (runner/model_runner.py's hand-off)."""
         if self.skip_replan and self._planned:
             return
         self._planned = True
         page = self.pool.page_size
         n_pages = [-(-kv // page) for kv in batch.kv_lens]
-        qo = torch.tensor([0] + batch.q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        kv = torch.tensor([0] + n_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        indices = torch.tensor([b for t, n in zip(batch.block_tables, n_pages) for b in t[:n]], dtype=torch.int32)
-        last = torch.tensor([(n - 1) % page + 1 for n in batch.kv_lens], dtype=torch.int32)
+        pinned = self._indices.is_cuda
+
+        def host(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, pin_memory=pinned)
+
+        qo = host(list(accumulate(batch.q_lens, initial=0)))
+        kv = host(list(accumulate(n_pages, initial=0)))
+        indices = host([b for t, n in zip(batch.block_tables, n_pages) for b in t[:n]])
+        staged = self._indices_staging[: indices.shape[0]]
+        staged.copy_(indices, non_blocking=True)
+        last = host([(n - 1) % page + 1 for n in batch.kv_lens])
         dtype = self.pool.k[0].dtype
         self._wrapper.plan(
-            qo, kv, indices, last, *self.heads, page, causal=batch.causal, q_data_type=dtype, kv_data_type=dtype
+            qo,
+            kv,
+            staged,
+            last,
+            *self.heads,
+            page,
+            causal=batch.causal,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+            seq_lens=host(list(batch.kv_lens)),  # else FlashInfer derives them into a pageable tensor
         )
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

@@ -111,6 +111,8 @@ class CatchUpGraphs:
         ):
             if pad:
                 host = torch.cat([host, torch.full((pad,), fill, dtype=torch.long)])
-            buf.copy_(host, non_blocking=True)  # pageable: the copy is staged before the call returns
+            if buf.is_cuda:  # a pageable copy may wait for the device; a pinned one queues
+                host = host.pin_memory()
+            buf.copy_(host, non_blocking=True)
         self._graph(rows)()
         self.replays += 1

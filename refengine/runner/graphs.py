@@ -109,11 +109,15 @@ class StepGraph:
         batch = AttnBatch(q_lens, kv_lens, tables, torch.empty(0), torch.empty(0), causal=self.causal)
         return batch, self.staging
 
-    def replay(self, batch: AttnBatch, inputs: torch.Tensor) -> None:
+    def replay(self, batch: AttnBatch, inputs: torch.Tensor, fill: Callable[[StepState], None] | None = None) -> None:
+        """`fill(state)` rewrites inputs on the device after the staged ones land (a verify's drafts, straight
+        from the draft graph's buffers)."""
         st = self.state
         st.ids.copy_(inputs[0], non_blocking=True)
         st.positions.copy_(inputs[1], non_blocking=True)
         st.slots.copy_(inputs[2], non_blocking=True)
+        if fill is not None:
+            fill(st)
         self.attention.plan(batch)
         for piece in self.pieces:
             piece()
@@ -270,9 +274,15 @@ class GraphRunner:
             pieces += [self.capturer.capture(seg(i)), attn(i)]
         return pieces + [self.capturer.capture(seg(n))]
 
-    def run(self, steps: list[StepRow], prepare: Callable[[StepGraph], None] | None = None) -> StepGraph:
+    def run(
+        self,
+        steps: list[StepRow],
+        prepare: Callable[[StepGraph], None] | None = None,
+        fill: Callable[[StepState], None] | None = None,
+    ) -> StepGraph:
         """Replay the graph of this step's bucket; read results from the returned graph's buffers.
-        `prepare(graph)` fills extra persistent inputs (the drafter's context rows) before the replay."""
+        `prepare(graph)` fills extra persistent inputs (the drafter's context rows) before the replay;
+        `fill(state)` rewrites token ids on the device (StepGraph.replay)."""
         assert self.fits(steps)
         real = sum(len(s.tokens) for s in steps)
         bucket, cap = self.shape_for(len(steps), real)
@@ -283,7 +293,7 @@ class GraphRunner:
         batch, inputs = g.layout(steps, self.stack.pool)
         if prepare is not None:
             prepare(g)
-        g.replay(batch, inputs)
+        g.replay(batch, inputs, fill)
         self.replays += 1
         return g
 

@@ -16,6 +16,7 @@ from refengine.models.segmented import SegmentedStack, StepState
 from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.runner.catch_up_graphs import CatchUpGraphs
+from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.spec_decode.feature_store import FeatureStore
@@ -106,6 +107,7 @@ class ModelRunner:
         capture: bool,
         whole_step: bool = False,
         uncaptured: frozenset[int] = frozenset(),
+        fill: Callable[[StepState], None] | None = None,
     ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
         Returns the argmax of every real row per request, and stages the rows of every request but those in
@@ -113,7 +115,8 @@ class ModelRunner:
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
-        g = runner.run(steps)  # a graph with taps writes every row's tap features into the store at its slots
+        # a graph with taps writes every row's tap features into the store at its slots
+        g = runner.run(steps, fill=fill)
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         if capture and self.proposer is not None:
@@ -273,40 +276,49 @@ class ModelRunner:
             self.timings["decode_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         assert isinstance(plan, VerifyPlan) and self.proposer is not None
+        clock = VerifyClock(self.target.device)
         view = self.pool.speculative_view(plan.reservation)
         items = [
             DraftItem(r.request_id, r.output_ids[-1], start, span) for r, (_, start, span) in zip(plan.requests, view)
         ]
         drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
         drafts: list[list[int]] = [[] for _ in items]
-        if drafting:
+        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting else None
+        if drafting and launched is None:
             for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
                 drafts[i] = d
-        self._sync()
-        t1 = time.perf_counter()
-        self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
-        self.timings["catch_up_s"] += getattr(self.proposer, "take_catch_up", lambda: 0.0)()
-        tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
+            self._sync()
+        clock.drafted()
+        # launched: the drafts are still on the device; the verify graph takes them from there (placeholders
+        # here), and the host reads them with the verify's results
+        tokens = [[r.output_ids[-1]] + (d or [0] * (s - 1)) for r, d, (_, _, s) in zip(plan.requests, drafts, view)]
         kind = "verify" if any(span > 1 for _, _, span in view) else "decode"  # all span 1: every budget at its end
         graphed = self._replay(
             kind,
             [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
             capture=True,
             uncaptured=plan.uncaptured,
+            fill=draft_fill(launched, drafting, [s for _, _, s in view]) if launched is not None else None,
         )
+        if launched is not None:
+            for i, d in zip(drafting, launched.read()):
+                drafts[i] = d
+                tokens[i] = [tokens[i][0]] + d
         if graphed is not None:
             a = graphed
         else:
             captured = [rid not in plan.uncaptured for rid, _, _ in view]
             a, _ = self._run(tokens, view, captured, [range(s) for _, _, s in view], [0] * len(view))
             self._sync()
-        t2 = time.perf_counter()
-        self.timings["draft_s"] += t1 - t0
-        self.timings["verify_s"] += t2 - t1
+        self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
+        self.timings["catch_up_s"] += getattr(self.proposer, "take_catch_up", lambda: 0.0)()
+        draft_s, verify_s = clock.split()
+        self.timings["draft_s"] += draft_s
+        self.timings["verify_s"] += verify_s
         n = len(plan.requests)
         for r in plan.requests:  # attribute the step's time evenly to the requests that shared it
-            r.spec.draft_s += (t1 - t0) / n
-            r.spec.verify_s += (t2 - t1) / n
+            r.spec.draft_s += draft_s / n
+            r.spec.verify_s += verify_s / n
         return StepResult(a, drafts=drafts)
 
 

@@ -27,7 +27,7 @@ from refengine.models.dflash import DFlashDrafter
 from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
 from refengine.spec_decode.feature_store import FeatureStore
-from refengine.spec_decode.proposer import DraftItem
+from refengine.spec_decode.proposer import DraftItem, LaunchedDrafts
 
 FLUSH_ROWS = DRAFT_CONTEXT_FLUSH_ROWS  # context rows projected per chunk (bounds the flush transient)
 
@@ -53,7 +53,8 @@ class DFlashLane:
         self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
         self.catch_up_graphs: CatchUpGraphs | None = None  # with it: projections of pending rows, replayed
         self._sync_wait_s = 0.0
-        self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (synchronised)
+        self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (CPU: host-timed)
+        self._catch_up_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: their events
 
     @classmethod
     def create(
@@ -263,39 +264,58 @@ class DFlashLane:
     def propose(self, items: list[DraftItem]) -> list[list[int]]:
         """items: (req_id, current_token, start, span) -> span - 1 drafts each (the block is always B wide;
         a truncated span just uses fewer of its rows). From the draft graph when one fits, else eager."""
+        launched = self.launch(items)
+        if launched is None:
+            drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
+            return [d[: span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+        t = time.perf_counter()
+        out = launched.read()
+        self._sync_wait_s += time.perf_counter() - t
+        return out
+
+    @torch.inference_mode()
+    def launch(self, items: list[DraftItem]) -> LaunchedDrafts | None:
+        """propose's graph path without reading the drafts back: the draft graph is queued and its device
+        argmax returned (the runner feeds it to the verify graph on the device). None when no draft graph
+        fits the step (nothing is run then)."""
         b = self.block_size
         steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
-        if self.graph is not None and self.graph.fits(steps):
-            # Pending context of at most B rows per request (what a verify commits) is gathered from the store
-            # and projected inside the graph; more (a prompt, a plain stretch) is caught up first (_catch_up).
-            if any(self._ctx[it.req_id].pending_rows > b for it in items):
-                self._catch_up([it.req_id for it in items])
-            pending = [self._take_pending(it.req_id) for it in items]
-            self._prepare(items)
-            g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
-            t = time.perf_counter()
-            drafts = g.buffers.argmax.view(-1, b - 1)[: len(items)].tolist()
-            self._sync_wait_s += time.perf_counter() - t
-        else:
-            drafts = self.propose_logits(items, fp32=False).argmax(-1).tolist()  # [N, B-1]
-        return [d[: span - 1] for d, (_, _, _, span) in zip(drafts, items)]
+        if self.graph is None or not self.graph.fits(steps):
+            return None
+        # Pending context of at most B rows per request (what a verify commits) is gathered from the store
+        # and projected inside the graph; more (a prompt, a plain stretch) is caught up first (_catch_up).
+        if any(self._ctx[it.req_id].pending_rows > b for it in items):
+            self._catch_up([it.req_id for it in items])
+        pending = [self._take_pending(it.req_id) for it in items]
+        self._prepare(items)
+        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
+        return LaunchedDrafts(g.buffers.argmax, [it.span for it in items], b - 1)
 
     def _catch_up(self, req_ids: list[int]) -> None:
         """The graph path's flush of more pending rows than the draft graph projects (a prompt, a plain
-        stretch; replays of the catch-up graphs), timed apart (synchronised; take_catch_up): a switch's cost,
-        not a steady draft's. On the eager path every draft flushes its rows first, and that is its cost."""
-        cuda = self.drafter.fc.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.drafter.fc.device)
+        stretch; replays of the catch-up graphs), timed apart (take_catch_up): a switch's cost, not a steady
+        draft's. On CUDA between two events, read once the step has synchronised, so the draft and the verify
+        queue behind it without waiting. On the eager path every draft flushes its rows first, and that is
+        its cost."""
+        if self.drafter.fc.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._flush_pending(req_ids)
+            end.record()
+            self._catch_up_events.append((start, end))
+            return
         t = time.perf_counter()
         self._flush_pending(req_ids)
-        if cuda:
-            torch.cuda.synchronize(self.drafter.fc.device)
         self._catch_up_s += time.perf_counter() - t
 
     def take_catch_up(self) -> float:
-        """Seconds of catch-up flushes since the last call (the runner's `catch_up_s` timing)."""
+        """Seconds of catch-up flushes since the last call (the runner's `catch_up_s` timing; it waits for
+        them)."""
         spent, self._catch_up_s = self._catch_up_s, 0.0
+        for start, end in self._catch_up_events:
+            end.synchronize()
+            spent += start.elapsed_time(end) / 1e3
+        self._catch_up_events.clear()
         return spent
 
     def take_sync_wait(self) -> float:
@@ -326,9 +346,9 @@ class DFlashLane:
                 pos[i * b : i * b + n] = range(first, it.start)
                 slots[i * b : i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
                 sources[i * b : i * b + n] = store.pool.slots(it.req_id, first, it.start).tolist()
-        ctx.positions.copy_(torch.tensor(pos), non_blocking=True)
-        ctx.slots.copy_(torch.tensor(slots), non_blocking=True)
-        ctx.sources.copy_(torch.tensor(sources), non_blocking=True)
+        pinned = ctx.positions.is_cuda  # a pageable copy could wait for the catch-up queued before it
+        for buf, host in ((ctx.positions, pos), (ctx.slots, slots), (ctx.sources, sources)):
+            buf.copy_(torch.tensor(host, pin_memory=pinned), non_blocking=True)
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:

@@ -10,11 +10,17 @@ context (`commit_context` after a prefill, `commit_step` after such a decode ste
 failed step) are dropped; the next forward at their positions overwrites their store rows, as it does their
 K/V. The DFlash lane and the test proposers (tests/proposers.py) implement it; there is no base class until
 a second real draft method exists.
+
+A proposer may also offer `launch(items) -> LaunchedDrafts | None`: the drafts queued on the device and left
+there, so the runner feeds them to the verify graph without a host round trip (runner/draft_handoff.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+import torch
 
 from refengine.spec_decode.feature_store import FeatureStore
 
@@ -27,6 +33,21 @@ class DraftItem(NamedTuple):
     current_token: int
     start: int
     span: int
+
+
+@dataclass
+class LaunchedDrafts:
+    """A draft graph's replay in flight (DFlashLane.launch). `tokens` is its device argmax, [bucket * (B-1)]:
+    request i's drafts are rows [i*(B-1), i*(B-1) + spans[i] - 1)."""
+
+    tokens: torch.Tensor
+    spans: list[int]
+    width: int  # B - 1
+
+    def read(self) -> list[list[int]]:
+        """span - 1 drafts per request (waits for the draft graph)."""
+        flat = self.tokens[: len(self.spans) * self.width].tolist()
+        return [flat[i * self.width : i * self.width + s - 1] for i, s in enumerate(self.spans)]
 
 
 class Proposer(Protocol):
