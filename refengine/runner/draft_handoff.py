@@ -1,9 +1,10 @@
 """The draft-to-verify hand-off on the device.
 
 A verify step's drafts go from the draft graph's argmax buffer straight into the verify graph's token ids
-(`draft_fill`), and the host reads them back once, with the verify's own results. Without it the host waited
-for the draft, then laid out, planned and launched the verify while the GPU stood idle; with it that host
-work overlaps the draft on the GPU, and so does the catch-up of a request's prompt before its first draft.
+(`placeholders` in the host's layout, swapped on the device by `draft_fill`), and the host reads them back
+once, with the verify's own results. Without it the host waited for the draft, then laid out, planned and
+launched the verify while the GPU stood idle; with it that host work overlaps the draft on the GPU, and so
+does the catch-up of a request's prompt before its first draft.
 
 A proposer whose `propose` was replaced on the instance (the test suite's draft logs, injected faults and
 deliberately broken drafts) goes the host way, so that the replacement sees, and may change, every draft the
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from itertools import accumulate
 
 import torch
 
@@ -31,21 +31,21 @@ def launch_drafts(proposer: Proposer, items: list[DraftItem]) -> LaunchedDrafts 
     return launch(items)
 
 
-def draft_fill(launched: LaunchedDrafts, drafting: list[int], spans: list[int]) -> Callable[[StepState], None]:
-    """The verify graph's fill (StepGraph.replay): request k's rows start at the sum of the spans before it
-    and hold [current, d_1 .. d_{span-1}]; request drafting[j]'s drafts are the launched rows of item j."""
-    offsets = list(accumulate(spans, initial=0))
+def placeholders(launched: LaunchedDrafts, item: int) -> list[int]:
+    """Item `item`'s drafts in a verify step's token ids before the fill: -1 - (their row in launched.tokens).
+    They travel with the rows through the graph's packing (and upstream's truncation, capture-shape rule
+    off), so the fill finds them wherever the layout put them."""
     w = launched.width
-    dst: list[int] = []  # verify rows
-    src: list[int] = []  # launched draft rows
-    for j, k in enumerate(drafting):
-        dst += range(offsets[k] + 1, offsets[k] + spans[k])
-        src += range(j * w, j * w + spans[k] - 1)
-    dev = launched.tokens.device
-    index = torch.tensor([dst, src], pin_memory=dev.type == "cuda").to(dev, non_blocking=True)  # [2, D]
+    return [-1 - (item * w + m) for m in range(launched.spans[item] - 1)]
+
+
+def draft_fill(launched: LaunchedDrafts) -> Callable[[StepState], None]:
+    """The verify graph's fill (StepGraph.replay): every placeholder id becomes the draft it names."""
 
     def fill(st: StepState) -> None:
-        st.ids.index_copy_(0, index[0], launched.tokens.index_select(0, index[1]))
+        ids = st.ids
+        drafts = launched.tokens.index_select(0, (-1 - ids).clamp(min=0))  # real ids read row 0: discarded
+        ids.copy_(torch.where(ids < 0, drafts, ids))
 
     return fill
 

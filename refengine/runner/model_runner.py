@@ -16,7 +16,7 @@ from refengine.models.segmented import SegmentedStack, StepState
 from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
 from refengine.runner.catch_up_graphs import CatchUpGraphs
-from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts
+from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.spec_decode.feature_store import FeatureStore
@@ -289,16 +289,17 @@ class ModelRunner:
                 drafts[i] = d
             self._sync()
         clock.drafted()
-        # launched: the drafts are still on the device; the verify graph takes them from there (placeholders
-        # here), and the host reads them with the verify's results
-        tokens = [[r.output_ids[-1]] + (d or [0] * (s - 1)) for r, d, (_, _, s) in zip(plan.requests, drafts, view)]
+        if launched is not None:  # the drafts are still on the device: placeholders the verify graph swaps
+            for j, i in enumerate(drafting):
+                drafts[i] = placeholders(launched, j)
+        tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
         kind = "verify" if any(span > 1 for _, _, span in view) else "decode"  # all span 1: every budget at its end
         graphed = self._replay(
             kind,
             [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
             capture=True,
             uncaptured=plan.uncaptured,
-            fill=draft_fill(launched, drafting, [s for _, _, s in view]) if launched is not None else None,
+            fill=draft_fill(launched) if launched is not None else None,
         )
         if launched is not None:
             for i, d in zip(drafting, launched.read()):

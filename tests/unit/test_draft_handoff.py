@@ -1,9 +1,9 @@
 """The draft-to-verify hand-off on the device (refengine/runner/draft_handoff.py): with a draft graph, a verify
 step's drafts go from the draft graph's argmax straight into the verify graph's token ids, and the host reads
-them once, after the verify. Checks: the fill puts each request's drafts after its current token, whatever
-the mix of spans; the graph modes on the CPU (fake capturer) take the hand-off and produce the same drafts,
-committed lengths and outputs as the host path (drafts read back before the verify); a proposer whose
-`propose` was replaced goes the host way; the clock's draft / verify split adds up to the step.
+them once, after the verify. Checks: the placeholders in the host's layout become each request's drafts on
+the device, wherever the layout put them; the graph modes on the CPU (fake capturer) take the hand-off and
+produce the same drafts, committed lengths and outputs as the host path (drafts read back before the
+verify); a proposer whose `propose` was replaced goes the host way; the clock's split adds up to the step.
 
 Run: pytest tests/unit/test_draft_handoff.py        (on CUDA the same paths run in tests/gpu/test_gpu_graphs.py)
 """
@@ -18,7 +18,7 @@ import torch
 
 from refengine import SamplingParams
 from refengine.runner import model_runner
-from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts
+from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.spec_decode.proposer import DraftItem, LaunchedDrafts
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 
@@ -26,14 +26,16 @@ PROMPTS = [[5, 7, 9], [11, 12, 13, 14, 15], [3, 4], [21, 22, 23, 24]]
 BUDGETS = [40, 23, 31, 17]  # budgets ending mid-block: verify steps mix full and truncated spans
 
 
-def test_fill_puts_each_requests_drafts_after_its_current_token():
+def test_placeholders_become_each_requests_drafts_wherever_the_layout_put_them():
     width = 15
     tokens = torch.arange(100, 100 + 4 * width)  # the draft graph's argmax: item j's drafts at [j*15, j*15+14]
     launched = LaunchedDrafts(tokens, [3, 5], width)
-    spans = [3, 1, 5, 2]  # requests 0 and 2 draft; 1 is span 1; 3 drafts nothing here (not in `drafting`)
-    ids = torch.full((sum(spans) + 4,), -1)  # verify rows, then padding
-    draft_fill(launched, [0, 2], spans)(SimpleNamespace(ids=ids))
-    want = [-1, 100, 101, -1, -1, 115, 116, 117, 118, -1, -1, -1, -1, -1, -1]
+    assert placeholders(launched, 0) == [-1, -2] and placeholders(launched, 1) == [-16, -17, -18, -19]
+    # a verify layout: request 0 (span 3), a span-1 request, request 1 (span 5), a padding row, the rest zero
+    rows = [7, *placeholders(launched, 0), 8, 9, *placeholders(launched, 1), 0, 0, 0]
+    ids = torch.tensor(rows)
+    draft_fill(launched)(SimpleNamespace(ids=ids))
+    want = [7, 100, 101, 8, 9, 115, 116, 117, 118, 0, 0, 0]
     assert ids.tolist() == want, f"verify ids {ids.tolist()}, want {want}"
     assert launched.read() == [[100, 101], [115, 116, 117, 118]]
 
