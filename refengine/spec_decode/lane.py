@@ -344,8 +344,8 @@ class DFlashLane:
             if n:
                 first = it.start - n
                 pos[i * b : i * b + n] = range(first, it.start)
-                slots[i * b : i * b + n] = self.pool.slots(it.req_id, first, it.start).tolist()
-                sources[i * b : i * b + n] = store.pool.slots(it.req_id, first, it.start).tolist()
+                slots[i * b : i * b + n] = self.pool.slot_list(it.req_id, first, it.start)
+                sources[i * b : i * b + n] = store.pool.slot_list(it.req_id, first, it.start)
         pinned = ctx.positions.is_cuda  # a pageable copy could wait for the catch-up queued before it
         for buf, host in ((ctx.positions, pos), (ctx.slots, slots), (ctx.sources, sources)):
             buf.copy_(torch.tensor(host, pin_memory=pinned), non_blocking=True)
