@@ -78,7 +78,15 @@ def choose_spans(
     best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
     best_spans: list[int] = []
     best_order: list[int] = []
-    for cap in range(2, block + 1):
+    if n == 1:  # c1: the loop below at k = 0 (k = 1 drafts nothing), without its per-cap lists
+        e = tables[0]
+        for cap in range(2, min(block, remaining[0]) + 1):
+            gain, denom = e[cap] - 1.0, draft_cost[1] + verify_cost[cap]
+            if denom > 0 and (1 + gain) > best_rate * denom:
+                best_rate, best_cap, best_spans = (1 + gain) / denom, cap, [cap]
+        return Decision(best_spans, best_rate, plain_rate, best_cap) if best_cap > 1 else plain
+    # caps past the longest budget repeat the last spans (a strict > never picks a repeat): stop there
+    for cap in range(2, min(block, max(remaining)) + 1):
         spans = [cap if r >= cap else max(1, r) for r in remaining]
         gains = [e[s] - 1.0 for e, s in zip(tables, spans)]
         order = sorted(range(n), key=gains.__getitem__)
