@@ -55,6 +55,11 @@ class FlashInferGraphAttention:
         self._kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._indices = torch.zeros(pages, dtype=torch.int32, device=dev)
         self._indices_staging = torch.zeros(pages, dtype=torch.int32, device=dev)  # plan() copies it to _indices
+        # plan()'s host arrays, pinned once: qo indptr, kv indptr, last page lengths, kv lengths; page indices.
+        # Rewritten every plan: safe, as every step ends by reading its results back (a sync)
+        pinned = dev.type == "cuda"
+        self._host = torch.zeros((4, batch + 1), dtype=torch.int32, pin_memory=pinned)
+        self._host_indices = torch.zeros(pages, dtype=torch.int32, pin_memory=pinned)
         self._last = torch.zeros(batch, dtype=torch.int32, device=dev)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             ws,
@@ -69,37 +74,37 @@ class FlashInferGraphAttention:
         self._planned = False
 
     def plan(self, batch: AttnBatch) -> None:
-        """Every host array goes through pinned memory and the page indices reach the wrapper as a device
-        tensor: FlashInfer copies pageable or host indices synchronously (a stream sync), which would make a
-        verify's plan wait for the draft graph queued before it (runner/model_runner.py's hand-off)."""
+        """Every host array goes through pinned memory (written in place: a new pinned tensor a call cost
+        ~2 ms of host time a DFlash step at c32 on the H200, run 75) and the page indices reach the wrapper as
+        a device tensor: FlashInfer copies pageable or host indices synchronously (a stream sync), which would
+        make a verify's plan wait for the draft graph queued before it (runner/draft_handoff.py)."""
         if self.skip_replan and self._planned:
             return
         self._planned = True
-        page = self.pool.page_size
+        page, b = self.pool.page_size, len(batch.q_lens)
         n_pages = [-(-kv // page) for kv in batch.kv_lens]
-        pinned = self._indices.is_cuda
-
-        def host(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32, pin_memory=pinned)
-
-        qo = host(list(accumulate(batch.q_lens, initial=0)))
-        kv = host(list(accumulate(n_pages, initial=0)))
-        indices = host([b for t, n in zip(batch.block_tables, n_pages) for b in t[:n]])
-        staged = self._indices_staging[: indices.shape[0]]
-        staged.copy_(indices, non_blocking=True)
-        last = host([(n - 1) % page + 1 for n in batch.kv_lens])
+        indices = [p for t, n in zip(batch.block_tables, n_pages) for p in t[:n]]
+        host, k = self._host.numpy(), len(indices)
+        host[0, : b + 1] = list(accumulate(batch.q_lens, initial=0))
+        host[1, : b + 1] = list(accumulate(n_pages, initial=0))
+        host[2, :b] = [(n - 1) % page + 1 for n in batch.kv_lens]
+        host[3, :b] = batch.kv_lens
+        self._host_indices.numpy()[:k] = indices
+        staged = self._indices_staging[:k]
+        staged.copy_(self._host_indices[:k], non_blocking=True)
         dtype = self.pool.k[0].dtype
+        h = self._host
         self._wrapper.plan(
-            qo,
-            kv,
+            h[0, : b + 1],
+            h[1, : b + 1],
             staged,
-            last,
+            h[2, :b],
             *self.heads,
             page,
             causal=batch.causal,
             q_data_type=dtype,
             kv_data_type=dtype,
-            seq_lens=host(list(batch.kv_lens)),  # else FlashInfer derives them into a pageable tensor
+            seq_lens=h[3, :b],  # else FlashInfer derives them into a pageable tensor
         )
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:

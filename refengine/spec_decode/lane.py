@@ -346,9 +346,10 @@ class DFlashLane:
                 pos[i * b : i * b + n] = range(first, it.start)
                 slots[i * b : i * b + n] = self.pool.slot_list(it.req_id, first, it.start)
                 sources[i * b : i * b + n] = store.pool.slot_list(it.req_id, first, it.start)
-        pinned = ctx.positions.is_cuda  # a pageable copy could wait for the catch-up queued before it
-        for buf, host in ((ctx.positions, pos), (ctx.slots, slots), (ctx.sources, sources)):
-            buf.copy_(torch.tensor(host, pin_memory=pinned), non_blocking=True)
+        # pinned: a pageable copy could wait for the catch-up queued before it
+        host = torch.tensor([pos, slots, sources], pin_memory=ctx.positions.is_cuda)  # [3, bucket * B]
+        for buf, row in zip((ctx.positions, ctx.slots, ctx.sources), host):
+            buf.copy_(row, non_blocking=True)
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
