@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-import refengine.spec_decode.lane as lane_module
+import refengine.spec_decode.lane_draft as lane_module  # the lane's draft forward reads FLUSH_ROWS
 from golden.oracle_dflash import OracleDFlash
 from refengine.spec_decode import DraftItem
 from tests.adapter import break_drafter_head_is_the_embedding, break_mask_token_is_last_vocab_row, cpu_engine
