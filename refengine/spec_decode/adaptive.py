@@ -105,6 +105,7 @@ class AdaptivePolicy(Retirement):
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
         self.explored, self.searched, self.probes, self.reprobes, self.caps = 0, 0, 0, 0, Counter()
         self.sample.unprobed = self.sample.retirements = 0
+        self.sample.retired_by = Counter()
         self._decisions_before = self.steps
 
     def expected(self, req_id: int) -> Table:

@@ -20,6 +20,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "reprobes": policy.reprobes,
         "unprobed": policy.unprobed,
         "retired": policy.retirements,
+        "retired_by": dict(sorted(policy.sample.retired_by.items())),  # which rule, at which batch size
         "explore_interval": policy.interval,
         "explore_regret_ms": round(policy.regret_s * 1e3, 3),
         "probe_regret_ms": round(policy.probe_regret_s * 1e3, 3),

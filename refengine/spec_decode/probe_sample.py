@@ -34,6 +34,7 @@ acceptance 0 then 0.85: 0.79 of the better mode, against 1.04 without retirement
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 PROBE_SAMPLE = 8  # while first-step probes are short, only every PROBE_SAMPLE-th new request is probed
@@ -43,6 +44,7 @@ PROBE_SAMPLE = 8  # while first-step probes are short, only every PROBE_SAMPLE-t
 class ProbeSample:
     unprobed: int = 0  # new requests passed over by the sample
     retirements: int = 0  # requests retired so far
+    retired_by: Counter = field(default_factory=Counter)  # "<regime> / <evidence> / batch <n>" -> retirements
     retired: set[int] = field(default_factory=set)  # live requests retired from speculation
     _passed: dict[int, int] = field(default_factory=dict)  # live requests passed over -> first blocks seen by then
     _new_seen: int = 0  # new requests the sample has counted
@@ -84,8 +86,10 @@ class ProbeSample:
         seen = self._passed.get(req_id)
         return seen is not None and self._first_surprise_at <= seen < self._first_seen
 
-    def retire(self, req_id: int) -> None:
+    def retire(self, req_id: int, why: str = "") -> None:
+        """`why`: the rule and batch size that retired it (the stats' retired_by)."""
         self.retired.add(req_id)
+        self.retired_by[why] += 1
         self._newly_retired.append(req_id)
         self.retirements += 1
 

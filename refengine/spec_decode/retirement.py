@@ -54,7 +54,8 @@ class Retirement(Exploration):
                     continue
             elif not (out.settled(r) and (fails or plain_wins_uniformly(tables[i], n, *costs))):
                 continue
-            out.retire(r)
+            regime = "position 1 fails" if fails else "plain regime"
+            out.retire(r, f"{regime} / {'own blocks' if r in self.drafted else 'passed over'} / batch {n}")
             self._version += 1  # its table is now flat: the cached decision and tables are stale
 
     def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:

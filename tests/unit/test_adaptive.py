@@ -532,6 +532,10 @@ def test_passed_over_requests_retire_only_while_position_one_fails_everywhere():
     pol.observe_acceptance(batch[0], 2, 0)  # the sampled probe fails: the sample's verdict stands
     assert pol.choose(batch, [499] * len(batch)) == [1] * len(batch)
     assert pol.retired == set(batch) and sorted(pol.take_retired()) == batch and pol.take_retired() == []
+    why = pol.summary()["retired_by"]  # the probe's own block, the passed-over rest on it
+    want = {f"position 1 fails / own blocks / batch {PROBE_SAMPLE}": 1}
+    want[f"position 1 fails / passed over / batch {PROBE_SAMPLE}"] = PROBE_SAMPLE - 1
+    assert {k: v for k, v in why.items() if k.endswith(f"batch {PROBE_SAMPLE}")} == want, why
     assert pol.expected(batch[1])[B] < 1.5, "an unretired table is still the first blocks'"
     pol._next_explore, pol.elapsed_s = pol.steps + 1, 100.0  # an affordable exploration is due
     newcomer = batch[-1] + 1
@@ -623,6 +627,8 @@ def test_requests_retire_in_a_plain_regime_where_position_one_still_accepts():
             pol.observe_acceptance(batch[0], spans[0], 0)
         left -= 1
     assert pol.retired == set(batch), f"retired {len(pol.retired)} of 32 after {pol.steps} decisions"
+    why = pol.summary()["retired_by"]
+    assert sum(v for k, v in why.items() if k.startswith("plain regime") and k.endswith("batch 32")) == 32, why
 
     pol, rid = _policy_in_a_tau13_workload()
     pol._spec_at = -RETIRE_AFTER
