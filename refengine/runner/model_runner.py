@@ -301,7 +301,7 @@ class ModelRunner:
             uncaptured=plan.uncaptured,
             fill=draft_fill(launched) if launched is not None else None,
         )
-        if launched is not None:
+        if launched is not None:  # the drafts, read back after the verify's own results (no second wait)
             for i, d in zip(drafting, launched.read()):
                 drafts[i] = d
                 tokens[i] = [tokens[i][0]] + d
