@@ -40,8 +40,10 @@ def test_placeholders_become_each_requests_drafts_wherever_the_layout_put_them()
     assert launched.read() == [[100, 101], [115, 116, 117, 118]]
 
 
-def _run(pair, mode: str, speculation: str, host: bool, monkeypatch):
-    engine = cpu_engine(pair.target, pair.draft, graph_mode=mode, max_num_seqs=4, speculation=speculation)
+def run_handoff(engine, host: bool, monkeypatch):
+    """Run PROMPTS / BUDGETS to the end, the host path when `host`: (outputs, committed lengths per request,
+    each verify step's drafts as the commit saw them, the runner's launches that stayed on the device).
+    Shared with tests/gpu/test_gpu_draft_handoff.py."""
     launches = [0]  # the runner's launches whose drafts stayed on the device
 
     def counted(proposer, items, _orig=model_runner.launch_drafts):
@@ -66,6 +68,11 @@ def _run(pair, mode: str, speculation: str, host: bool, monkeypatch):
         engine.check_integrity()
     stats = [r.spec.committed_per_step for r in reqs]
     return [r.output_ids for r in reqs], stats, commits, launches[0]
+
+
+def _run(pair, mode: str, speculation: str, host: bool, monkeypatch):
+    engine = cpu_engine(pair.target, pair.draft, graph_mode=mode, max_num_seqs=4, speculation=speculation)
+    return run_handoff(engine, host, monkeypatch)
 
 
 @pytest.mark.parametrize("speculation", ["fixed", "adaptive"])
