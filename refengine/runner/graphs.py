@@ -87,11 +87,10 @@ class StepGraph:
             n = len(s.tokens)
             ids += s.tokens
             pos += range(s.start, s.start + n)
-            table = pool.table(s.req_id)
-            slots += [table[p // page] * page + p % page for p in range(s.start, s.start + n)]
+            slots += pool.slot_list(s.req_id, s.start, s.start + n)
             q_lens.append(n)
             kv_lens.append(s.kv_len)
-            tables.append(table)
+            tables.append(pool.table(s.req_id))
         for _ in range(self.bucket - len(steps)):
             ids += [0] * pad_rows
             pos += range(pad_rows)

@@ -304,10 +304,10 @@ class ModelRunner:
         if launched is not None:  # the drafts, read back after the verify's own results (no second wait)
             for i, d in zip(drafting, launched.read()):
                 drafts[i] = d
-                tokens[i] = [tokens[i][0]] + d
         if graphed is not None:
             a = graphed
-        else:
+        else:  # no verify graph fits: the eager forward, on the real drafts
+            tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
             captured = [rid not in plan.uncaptured for rid, _, _ in view]
             a, _ = self._run(tokens, view, captured, [range(s) for _, _, s in view], [0] * len(view))
             self._sync()

@@ -85,7 +85,8 @@ def choose_spans(
             if denom > 0 and (1 + gain) > best_rate * denom:
                 best_rate, best_cap, best_spans = (1 + gain) / denom, cap, [cap]
         return Decision(best_spans, best_rate, plain_rate, best_cap) if best_cap > 1 else plain
-    # caps past the longest budget repeat the last spans (a strict > never picks a repeat): stop there
+    # caps past the longest budget repeat the last spans at the same rate (the strict > took such a repeat
+    # only on a rounding difference, which changed the recorded cap and nothing else): stop there
     for cap in range(2, min(block, max(remaining)) + 1):
         spans = [cap if r >= cap else max(1, r) for r in remaining]
         gains = [e[s] - 1.0 for e, s in zip(tables, spans)]
