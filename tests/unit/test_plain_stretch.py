@@ -1,7 +1,10 @@
 """Adaptive mode's plain stretches (refengine/spec_decode/plain_stretch.py): while the policy's plain decision
 holds for an unchanged batch, the scheduler plans the same plain step again without asking the policy, and
 counts the steps instead of recording each in every request's SpecStats. Checks that:
-- AdaptivePolicy.reuse_plain answers True exactly when choose would reuse its plain decision at O(1);
+- AdaptivePolicy.reuse_plain answers True exactly when choose would reuse its plain decision at O(1), also as
+  the budgets shrink under a block; a plain choice at budgets of a block or more is plain again when the budgets
+  shrink evenly (random tables and costs: always at equal budgets; at unequal ones in all but a few cases, none
+  predicted more than 1% past SPEC_MARGIN);
 - every request's stats equal, in order, the tokens each of its steps committed (logged around the commit),
   with drafting steps between stretches, requests joining and leaving mid-stretch, and an abort mid-stretch;
 - the stretch is used (most plain steps skip the choice);
@@ -14,12 +17,15 @@ Run: python -m pytest tests/unit/test_plain_stretch.py -q
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from refengine import SamplingParams
 from refengine.plan import PrefillPlan
+from refengine.spec_decode.acceptance_estimate import table_from_rates
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE
+from refengine.spec_decode.span_choice import SPEC_MARGIN, choose_spans
 from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import cpu_engine
 
@@ -36,13 +42,65 @@ def test_reuse_plain_answers_as_choose_would():
     assert pol.choose(ids, [80, 90, 70]) == [1, 1, 1]
     steps = pol.steps
     assert pol.reuse_plain(69) and pol.steps == steps + 1, "the plain decision holds one step on"
-    assert not pol.reuse_plain(B - 1), "a budget under a block changes the choice's key: choose must run"
     pol._next_explore = pol.steps + 1
     assert not pol.reuse_plain(60), "an exploration is due: choose must run"
     pol._next_explore = 100
     assert pol.choose(ids, [60, 60, 60]) == [1, 1, 1] and pol.reuse_plain(59)
+    searched = pol.searched
+    assert pol.reuse_plain(B - 1) and pol.reuse_plain(3), "budgets shrinking under a block: the decision holds"
+    assert pol.choose(ids, [2, 9, 4]) == [1, 1, 1] and pol.searched == searched, "and choose reuses it too"
+    assert not pol.reuse_plain(4), "a budget that grew (another batch's) changes the key"
+    assert pol.choose(ids, [1, 8, 3]) == [1, 1, 1] and pol.reuse_plain(1)
     pol.observe_acceptance(1, B, 3)
-    assert not pol.reuse_plain(58), "something was learnt: the cached decision is stale"
+    assert not pol.reuse_plain(1), "something was learnt: the cached decision is stale"
+
+
+def test_a_plain_choice_stays_plain_as_budgets_shrink_evenly():
+    """What AdaptivePolicy._holds rests on: wherever the search chooses plain with every budget at least a block,
+    it chooses plain as the budgets shrink one token a step (a plain stretch), over random per-position rates,
+    costs and graph-like row shapes: at equal budgets always (each candidate then was a candidate before); at
+    unequal ones (a stretch after probes that committed more than one token) in all but a few cases, none of
+    them predicted more than 1% past SPEC_MARGIN."""
+    rng = random.Random(11)
+    plain_cases, checks, equal_flips, excess = 0, 0, [], []
+    for case in range(3000):
+        n = rng.choice([1, 2, 3, 5, 8, 16, 32])
+        cost = CostModel.linear(
+            rng.uniform(1e-3, 8e-3), rng.uniform(0, 1e-4), rng.uniform(0, 2e-5), rng.uniform(2e-4, 3e-3),
+            rng.uniform(0, 1e-4), p0=rng.uniform(1e-3, 8e-3), p1=rng.uniform(0, 1e-4),
+        )  # fmt: skip
+        cap = rng.choice([B, 4, 8])
+
+        def rows(m: int, r: int, cap: int = cap) -> int:
+            return m * min(cap, max(1, -(-r // m)))  # a graph's shape: requests x a row cap
+
+        tables = []
+        for _ in range(n):
+            hi = rng.uniform(0, 1)
+            tables.append(table_from_rates([rng.uniform(0, hi) for _ in range(B - 1)]))
+        low = rng.randint(B, B + 8)
+        spread = rng.choice([0, 1, 3, 8, 20])
+        budgets = [low + rng.randint(0, spread) for _ in range(n)]
+        if choose_spans(tables, budgets, B, cost, rows).cap != 1:
+            continue
+        plain_cases += 1
+        for t in range(low - B + 1, max(budgets)):
+            shrunk = [max(1, r - t) for r in budgets]
+            d = choose_spans(tables, shrunk, B, cost, rows)
+            checks += 1
+            if d.cap == 1:
+                continue
+            if len(set(shrunk)) == 1:
+                equal_flips.append((case, n, shrunk[0], d.spans))
+            excess.append(d.predicted_tok_per_s / (d.plain_tok_per_s * SPEC_MARGIN))
+    assert plain_cases > 1000 and checks > 20000, f"{plain_cases} plain cases, {checks} checks: the test lost its point"
+    assert not equal_flips, (
+        f"equal budgets chose to speculate after plain; first (case, n, budget, spans): {equal_flips[:3]}"
+    )
+    assert len(excess) <= checks // 1000 and max(excess, default=1.0) < 1.01, (
+        f"{len(excess)} of {checks} shrunk budgets chose to speculate after plain, up to "
+        f"{max(excess):.4f}x plain's rate with its margin"
+    )
 
 
 def _engine(trained_pair, drafting_steps: set[int], max_num_seqs: int = 4, **kw):
