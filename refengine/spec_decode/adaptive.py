@@ -66,6 +66,7 @@ class AdaptivePolicy(Retirement):
     probes: int = 0  # new requests given a full block to measure their acceptance
     reprobes: int = 0  # of those probes, re-probes of requests decoding plainly (exploration.REPROBE_EVERY)
     reprobe_every: int = REPROBE_EVERY  # small batches' re-probe period, in decisions (0: no re-probes)
+    reprobed: set[int] = field(default_factory=set)  # live requests re-probed at least once
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     _next_explore: int = MIN_EXPLORE
@@ -281,6 +282,7 @@ class AdaptivePolicy(Retirement):
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self._drafted_at.pop(req_id, None)
+        self.reprobed.discard(req_id)
         self.sample.release(req_id)
 
     def summary(self) -> dict:

@@ -39,6 +39,8 @@ blocks it decoded plainly to the end (dev CPU, c1: adaptive 128 tok/s, plain 136
 re-probes adaptive 462). In simulation (tests/unit/test_adaptive_reprobe.py) such a turn went from 0.69 to
 0.96 of the better mode at c1; stationary poor workloads at c1 lost 0.1-0.2% (requests not yet retired
 re-probe). Not in larger batches: there, turns from acceptance 0 to 0.6-0.85 ran 2-15% slower with them.
+In small batches a request retires in a plain regime only once a re-probe of its own was in line too
+(Retirement._awaits_reprobe): a retired request never drafts again.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Exploration:
     probes: int
     reprobes: int
     reprobe_every: int
+    reprobed: set[int]
     probe_regret_s: float
     interval: int
     explored: int
@@ -150,6 +153,7 @@ class Exploration:
                 self.probe_regret_s += self._regret(spans, tables, d, req_ids)
                 self.probes += len(again)
                 self.reprobes += len(again)
+                self.reprobed.update(req_ids[i] for i in again)
                 self.caps[d.cap] += 1
                 return spans
         fresh = [

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from refengine.spec_decode.acceptance_estimate import table_from_rates
 from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
+from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
@@ -52,11 +53,23 @@ class Retirement(Exploration):
             if r in self.drafted:
                 if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
                     continue
+                if not fails and self._awaits_reprobe(r, n):
+                    continue
             elif not (out.settled(r) and (fails or plain_wins_uniformly(tables[i], n, *costs))):
                 continue
             regime = "position 1 fails" if fails else "plain regime"
             out.retire(r, f"{regime} / {'own blocks' if r in self.drafted else 'passed over'} / batch {n}")
             self._version += 1  # its table is now flat: the cached decision and tables are stale
+
+    def _awaits_reprobe(self, req_id: int, n: int) -> bool:
+        """In a batch small enough to re-probe (exploration.REPROBE_EVERY), a request retires in a plain regime
+        only once a re-probe of its own, later in its generation, was in line too: retired on its first block
+        alone, a generation turning good midway is never seen again (a retired request never drafts). The
+        trained tiny pair at c1 on the H200 (run 79): every request retired after its first block, on a
+        population whose later blocks came from the bench's settle (32-token runs, before the text loops), and
+        adaptive ran 0.976 of plain where fixed DFlash ran 3.20x. Not while position 1 fails (nothing is
+        accepted there, early or late), nor in larger batches (no re-probes there)."""
+        return bool(self.reprobe_every) and n < PROBE_SAMPLE and req_id not in self.reprobed
 
     def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
         """(P(n), uniform_spec_costs) while requests may retire at batch size n, else None: position 1 fails in

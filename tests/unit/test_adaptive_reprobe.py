@@ -2,8 +2,9 @@
 PROBE_SAMPLE requests, a request that has decoded plainly for a while drafts a block again every REPROBE_EVERY
 decisions, so a generation whose acceptance turns good midway (the trained tiny pair's text falling into loops)
 is found. Checks when they happen (and when not: retired requests, batches of PROBE_SAMPLE or more,
-`reprobe_every = 0`; the O(1) reuse path skipping none) on synthetic inputs, and their effect in simulation
-against plain and fixed spans.
+`reprobe_every = 0`; the O(1) reuse path skipping none) on synthetic inputs; that in such batches a request
+retires in a plain regime only after a re-probe of its own was in line too; and their effect in simulation
+against plain and fixed spans, also when the population's later blocks come from short runs before the turn.
 
 Run: python -m pytest tests/unit/test_adaptive_reprobe.py -q
 """
@@ -15,8 +16,9 @@ import pytest
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.exploration import REPROBE_EVERY
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
+from refengine.spec_decode.retirement import RETIRE_AFTER
 from refengine.spec_decode.step_costs import CostModel
-from tests.unit.test_adaptive import B, _simulate_phases
+from tests.unit.test_adaptive import B, _policy_in_a_tau13_workload, _simulate_phases
 
 TINY = CostModel.linear(0.55e-3, 1e-5, 5e-7, 0.7e-3, 1e-4, p0=0.62e-3, p1=1e-5)  # a spec step ~2x a plain one
 
@@ -83,4 +85,55 @@ def test_reprobes_find_a_generation_that_turns_repetitive(concurrency, waves, tu
     assert got["adaptive"] >= floor * best, (
         f"c{concurrency}: adaptive {got['adaptive']:.0f}, plain {got['plain']:.0f}, fixed {got['fixed']:.0f} tok/s "
         f"({got['adaptive'] / best:.3f} of the better, floor {floor})"
+    )
+
+
+def _decide_until_retired(pol: AdaptivePolicy, rid: int, limit: int) -> list[int]:
+    """Decisions for request `rid` alone (a batch of one), every block in line with the tau 1.3 workload
+    (nothing accepted), until it retires or `limit` decisions; the decisions at which it drafted."""
+    drafted = []
+    for k in range(limit):
+        if rid in pol.retired:
+            break
+        spans = pol.choose([rid], [500 - k])
+        if spans[0] > 1:
+            drafted.append(pol.steps)
+            pol.observe_acceptance(rid, spans[0], 0)
+    return drafted
+
+
+def test_small_batches_retire_in_a_plain_regime_only_after_a_reprobe():
+    """A request in a batch of fewer than PROBE_SAMPLE retires in a plain regime once a re-probe, later in its
+    generation, was in line too, not on its first block alone (retired, it would never draft again: the trained
+    tiny pair at c1 on the H200 retired every request after its first block while fixed DFlash ran 3.2x plain).
+    With re-probes off, or while position 1 fails, it retires on its first block as before."""
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER  # a plain regime already
+    drafted = _decide_until_retired(pol, rid, 3 * REPROBE_EVERY)
+    assert rid in pol.retired, f"not retired after {pol.steps} decisions (drafted at {drafted})"
+    assert len(drafted) == 2 and drafted[1] % REPROBE_EVERY == 0 and pol.reprobes == 1, (
+        f"drafted at decisions {drafted}: its first-step probe, then one re-probe before it retired"
+    )
+    assert pol.summary()["retired_by"] == {"plain regime / own blocks / batch 1": 1}
+
+    pol, rid = _policy_in_a_tau13_workload()
+    pol._spec_at = -RETIRE_AFTER
+    pol.reprobe_every = 0
+    drafted = _decide_until_retired(pol, rid, 3 * REPROBE_EVERY)
+    assert rid in pol.retired and drafted == [1] and pol.steps == 2, (
+        f"re-probes off: retired after its first block (drafted at {drafted}, {pol.steps} decisions)"
+    )
+
+
+def test_reprobes_find_a_turn_after_short_runs_taught_plain():
+    """The bench's order on the trained tiny pair: untimed 32-token runs first (the settle, before the text
+    loops), so the population's later blocks are poor and a plain regime holds when 128-token requests arrive
+    at c1; their generations turn good after 48 tokens. Retired on their first block, adaptive reached 0.818 of
+    fixed spans here; waiting for a re-probe, 1.061."""
+    phases = [(1, 0.2, 40, 32), (1, 0.2, 8, 128)]
+    got = {m: _simulate_phases(m, phases, true=TINY, switch=(48, 0.97))[-1] for m in ("adaptive", "plain", "fixed")}
+    best = max(got["plain"], got["fixed"])
+    assert got["adaptive"] >= 0.97 * best, (
+        f"adaptive {got['adaptive']:.0f}, plain {got['plain']:.0f}, fixed {got['fixed']:.0f} tok/s "
+        f"({got['adaptive'] / best:.3f} of the better, floor 0.97)"
     )
