@@ -21,8 +21,8 @@ line with the workload (accepted nothing, where position 1 fails) and it is not 
 passed over by the sample and a first block observed since then was in line too, none surprising (a request
 passed over with none probed beside it, as at c1: the latest first block); in a plain regime its own
 uniform batch must lose to plain as well, and in a batch small enough to re-probe a re-probe of its own must
-have been in line too (refengine/spec_decode/retirement.py). A retired request never drafts again: its steps need no tap
-features, the scheduler frees its drafter context, and it rides along at span 1 in any plan; a batch of
+have been in line too (refengine/spec_decode/retirement.py). A retired request never drafts again: its steps
+need no tap features, the scheduler frees its drafter context, and it rides along at span 1 in any plan; a batch of
 retired requests runs plain decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of
 a step on the H200, run 55) with no policy, cost sample or drafter bookkeeping. The requests retired stay
 plain for the rest of their generation (also if their batch shrinks to a size where speculating would win:
