@@ -1,8 +1,9 @@
 """Adaptive speculation is lossless: whatever span the policy picks per request per step (1 = plain decode for
 that request, verified as a one-row span with no drafts), the greedy output equals plain decoding token for
 token, with the real drafter on every fixture pair, with the oracle and garbage test proposers (which drive
-the policy to full spans and to span 1), and with spans drawn at random every step. KV integrity and drafter
-alignment hold after every scenario.
+the policy to full spans and to span 1), with spans drawn at random every step, and through retirements
+(after a first block, passed over, or after a re-probe in a small batch). KV integrity and drafter alignment
+hold after every scenario.
 
 Run: pytest tests/golden/test_lossless_adaptive.py     (or: pytest -k lossless)
 """
@@ -173,4 +174,51 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, regime):
     if graph_mode != "eager":
         tapless = engine.runner.graphs["decode_plain"].replays
         assert tapless > 0, "a batch of retired requests should replay the decode graph without taps"
+    _check_clean(engine)
+
+
+@pytest.mark.parametrize("graph_mode", ["eager", "full"])
+def test_lossless_adaptive_retired_after_a_reprobe(model_pair, graph_mode):
+    """In a batch of fewer than PROBE_SAMPLE, a request in a plain regime retires only after a re-probe of its own
+    (refengine/spec_decode/retirement.py): it drafts its first block, decodes plainly writing taps, drafts again
+    past a catch-up of the rows since, then retires mid-generation (its drafter context freed, later steps
+    without taps). The bench's tau1.0 profile makes every verify accept nothing, so the output must equal plain
+    decoding; every retirement came after the request's re-probe."""
+    from refengine.config import EngineConfig
+    from refengine.engine import Engine
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+    from refengine.spec_decode.exploration import REPROBE_EVERY
+
+    prompts = _prompts(model_pair, 4, seed=11)
+    budgets = [2 * REPROBE_EVERY + 20 + 7 * i for i in range(len(prompts))]
+    plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
+    config = EngineConfig(
+        str(model_pair.target),
+        draft_path=str(model_pair.draft),
+        device="cpu",
+        speculation="adaptive",
+        graph_mode=graph_mode,
+        max_num_seqs=2,
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    policy = engine.scheduler.policy
+    assert policy is not None
+    _seed_plain_regime(policy)
+    policy._next_explore = 10**9  # no exploration: what drafts is the probes and the re-probes
+    retire = policy.sample.retire
+    early: list[int] = []  # requests retired before a re-probe of their own
+
+    def checked(req_id: int, why: str = "") -> None:
+        if req_id not in policy.reprobed:
+            early.append(req_id)
+        retire(req_id, why)
+
+    policy.sample.retire = checked  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    while engine.has_work():
+        engine.step()
+    for i, (r, ref) in enumerate(zip(reqs, plain)):
+        assert_same_tokens(r.output_ids, ref, f"{model_pair.name} re-probed request {i} (max_tokens {budgets[i]})")
+    assert policy.reprobes > 0 and policy.retirements > 0, policy.summary()
+    assert not early, f"requests {early} retired before a re-probe of their own: {policy.summary()['retired_by']}"
     _check_clean(engine)
