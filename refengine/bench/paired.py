@@ -51,7 +51,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
     floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)
     settle_batch = make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed)
     for e in engines.values():  # the chip is warm after the first: the load is shared out
-        settle_engine(e, settle_batch, j.settle_s / len(engines))
+        settle_engine(e, settle_batch, j.settle_s / len(engines), j.output_tokens)
     bar = tqdm(total=len(cells) * len(j.concurrency) * j.repeats, desc="bench paired", unit="round", file=sys.stderr)
     runs: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for k, prof in enumerate(cells):
@@ -62,7 +62,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
             if mode != "plain":
                 set_override(e, override)
             if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last
-                settle_engine(e, settle_batch, j.settle_s)
+                settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
             labels[name] = CONTROL if name == "control" else row_label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)

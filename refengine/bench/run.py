@@ -231,11 +231,15 @@ def row_label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -
     return "-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter")
 
 
-def settle_engine(engine, batch: list[list[int]], seconds: float) -> None:
-    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks."""
+def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int) -> None:
+    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks. Each
+    run generates `tokens`, the measured runs' length: the adaptive policy learns from these runs, and runs
+    shorter than the measured ones teach it their generations' early blocks only (with 32-token runs the
+    trained tiny pair's population never saw its text loop, and on one H200 every c1 request then retired
+    after its first block while fixed DFlash ran 3.2x plain; docs/PERF.md, run 79)."""
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
-        run_once(engine, batch, 32)
+        run_once(engine, batch, tokens)
 
 
 def print_profile(engine, prompts, new_tokens: int, label: str) -> None:

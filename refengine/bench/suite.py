@@ -221,7 +221,7 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     out["graph_captures"] = {mode: out.pop("graph_capture")}
     floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)
     settle_batch = make_prompts(j.prompts, max(j.concurrency), j.prompt_len, vocab, j.target, j.seed)
-    settle_engine(e, settle_batch, j.settle_s)
+    settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
     bar = tqdm(
         total=len(j.concurrency) * j.repeats * (1 if mode == "plain" else len(cells)),
         desc=f"bench {mode}",
@@ -234,7 +234,7 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         if mode != "plain":
             set_override(e, override)
         if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
-            settle_engine(e, settle_batch, j.settle_s)
+            settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
         label = row_label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)

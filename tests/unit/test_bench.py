@@ -2,7 +2,8 @@
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels, the
 steps and wall time by step kind), that a rejected request fails the run (exit 2 and a message), that a
 profile run labels every speculating row and reproduces the profile's tau, that each mode's engine runs alone
-(freed before the next loads; plain once per concurrency), the paired method (rounds rotating, ratios to
+(freed before the next loads; plain once per concurrency) and settles with runs of the measured length (a short
+--output-tokens fits its context cap), the paired method (rounds rotating, ratios to
 plain in the same round, the control), the bundled prompt sets, and the HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
@@ -129,10 +130,12 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
         return e
 
     settle = suite.settle_engine
+    lengths: list[int] = []  # the settle runs' new tokens per settle call
 
-    def settled(engine, batch, seconds):
+    def settled(engine, batch, seconds, tokens):
         order.append(("settle", "adaptive" if engine.scheduler.policy else "-", len(batch)))
-        return settle(engine, batch, seconds)
+        lengths.append(tokens)
+        return settle(engine, batch, seconds, tokens)
 
     monkeypatch.setattr(suite, "measure_row", spy)
     monkeypatch.setattr(suite, "engine_for", build)
@@ -155,10 +158,22 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
     expected = [("settle", "-", 2), *plain, ("settle", "-", 2), *dflash, ("settle", "adaptive", 2)]
     expected += adaptive[:4] + [("settle", "adaptive", 2)] + adaptive[4:]
     assert order == expected, f"first difference at run {first_divergence(order, expected)}"
+    assert lengths == [3] * len(lengths), f"settle runs of {lengths} tokens: the measured runs generate 3"
     rows = [r for r in res["rows"] if r["mode"] == "plain"]
     assert len(rows) == 2 and all(r["repeats"] == 2 for r in rows)
     assert res["kv_blocks_per_engine"] > 0 and res["settle_s"] == 0.0
     assert res["method"].startswith("one engine at a time")
+
+
+def test_bench_settles_with_runs_of_the_measured_length(capsys):
+    """The settle's runs generate --output-tokens, as the measured runs do. With a fixed 32 they overran the
+    engine's context cap (prompt + output tokens + 16) whenever --output-tokens was under 16, and every such
+    bench with a settle (on CUDA, always) failed with a rejected request."""
+    rc = main(
+        [*QUICK, *RANDOM, "--output-tokens", "3", "--settle-s", "0.2", "--no-isolate", "--modes", "plain,adaptive"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 0, f"exit {rc}: {err[-400:]}"
 
 
 def test_bundled_prompt_sets():
