@@ -267,6 +267,7 @@ def _simulate_phases(
     catch_up_row_s: float = 0.0,
     catch_up_fixed_s: float = 0.0,
     switch: tuple[int, float] | None = None,
+    seeded: bool = False,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -275,10 +276,19 @@ def _simulate_phases(
     carry since their last draft (a prompt of 128 rows at first) whenever one carries more than a block (the
     lane's eager catch-up), plus `catch_up_fixed_s` once (its launches and syncs), reported to the policy as
     the scheduler does. `switch` (tokens, p): once a request has committed that many tokens, its drafts are
-    accepted with p instead (a generation that turns repetitive, as the trained tiny pair's text loops)."""
+    accepted with p instead (a generation that turns repetitive, as the trained tiny pair's text loops).
+    `seeded`: every graph shape's cost is in the policy's tables from the start, as Engine.capture_graphs times
+    them on the GPU; unseeded, a phase at a new batch size starts on fits extrapolated from the last one (as an
+    eager engine does)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
+    if seeded:
+        for b in batch_buckets(32):
+            pol.cost.seed("plain", b, true.plain_s(b))
+            pol.cost.seed("draft", b, true.draft_s(b))
+            for c in row_caps(B):
+                pol.cost.seed("verify", (b, b * c), true.verify_s(b, b * c))
     rid, out, drafted_once = 0, [], set()
     carried: dict[int, int] = {}  # req -> context rows since its last draft
     pol.pending = lambda r: carried.get(r, 128)  # as the lane counts them (a prompt of 128 rows at first)
