@@ -177,10 +177,13 @@ class Exploration:
                 k //= 2
         return None
 
+    def _reprobing(self, n: int) -> bool:
+        """A batch of n re-probes its requests decoding plainly (see REPROBE_EVERY): a small one, re-probes on."""
+        return bool(self.reprobe_every) and n < PROBE_SAMPLE
+
     def _reprobes_due(self, n: int, step: int) -> bool:
         """Decision `step` of a batch of n re-probes the requests decoding plainly (see REPROBE_EVERY)."""
-        every = self.reprobe_every
-        return bool(every) and n < PROBE_SAMPLE and step % every == 0
+        return self._reprobing(n) and step % self.reprobe_every == 0
 
     def _budget(self, remaining: list[int]) -> float:
         """Seconds of predicted regret exploration may still spend: EXPLORE_BUDGET of the step time so far plus

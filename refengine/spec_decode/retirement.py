@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from refengine.spec_decode.acceptance_estimate import table_from_rates
 from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
-from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
@@ -69,7 +68,7 @@ class Retirement(Exploration):
         population whose later blocks came from the bench's settle (32-token runs, before the text loops), and
         adaptive ran 0.976 of plain where fixed DFlash ran 3.20x. Not while position 1 fails (nothing is
         accepted there, early or late), nor in larger batches (no re-probes there)."""
-        return bool(self.reprobe_every) and n < PROBE_SAMPLE and req_id not in self.reprobed
+        return self._reprobing(n) and req_id not in self.reprobed
 
     def _plain_regime(self, n: int, fails: bool) -> tuple[float, list[float]] | None:
         """(P(n), uniform_spec_costs) while requests may retire at batch size n, else None: position 1 fails in

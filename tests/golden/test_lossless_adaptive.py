@@ -116,6 +116,26 @@ def _seed_plain_regime(policy, n: int = 40) -> None:
     policy._spec_at = -RETIRE_AFTER
 
 
+def _adaptive_at_tau1(model_pair, graph_mode: str, max_num_seqs: int):
+    """An adaptive CPU engine of the pair whose verifies accept nothing (the bench's tau1.0 profile: each commits
+    exactly the target's greedy token, so outputs must equal plain decoding), and its policy."""
+    from refengine.config import EngineConfig
+    from refengine.engine import Engine
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+
+    config = EngineConfig(
+        str(model_pair.target),
+        draft_path=str(model_pair.draft),
+        device="cpu",
+        speculation="adaptive",
+        graph_mode=graph_mode,
+        max_num_seqs=max_num_seqs,
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    assert engine.scheduler.policy is not None
+    return engine, engine.scheduler.policy
+
+
 @pytest.mark.parametrize("regime", ["calibrating", "sampled", "plain-regime"])
 @pytest.mark.parametrize("graph_mode", ["eager", "full"])
 def test_lossless_adaptive_retired_requests(model_pair, graph_mode, regime):
@@ -128,25 +148,12 @@ def test_lossless_adaptive_retired_requests(model_pair, graph_mode, regime):
     in the same steps at span 1 without a drafter context, and a batch of retired requests runs the decode
     graph without taps. The real drafter drafts; the bench's tau1.0 profile makes every verify accept nothing,
     which commits exactly the target's greedy token, so the output must still equal plain decoding."""
-    from refengine.config import EngineConfig
-    from refengine.engine import Engine
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
     from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 
     prompts = _prompts(model_pair, 12, seed=9)
     budgets = [BUDGETS[i % len(BUDGETS)] + 20 for i in range(len(prompts))]
     plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
-    config = EngineConfig(
-        str(model_pair.target),
-        draft_path=str(model_pair.draft),
-        device="cpu",
-        speculation="adaptive",
-        graph_mode=graph_mode,
-        max_num_seqs=12,
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
-    assert policy is not None
+    engine, policy = _adaptive_at_tau1(model_pair, graph_mode, max_num_seqs=12)
     if regime == "plain-regime":
         _seed_plain_regime(policy)
     else:
@@ -184,25 +191,12 @@ def test_lossless_adaptive_retired_after_a_reprobe(model_pair, graph_mode):
     past a catch-up of the rows since, then retires mid-generation (its drafter context freed, later steps
     without taps). The bench's tau1.0 profile makes every verify accept nothing, so the output must equal plain
     decoding; every retirement came after the request's re-probe."""
-    from refengine.config import EngineConfig
-    from refengine.engine import Engine
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
     from refengine.spec_decode.exploration import REPROBE_EVERY
 
     prompts = _prompts(model_pair, 4, seed=11)
     budgets = [2 * REPROBE_EVERY + 20 + 7 * i for i in range(len(prompts))]
     plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
-    config = EngineConfig(
-        str(model_pair.target),
-        draft_path=str(model_pair.draft),
-        device="cpu",
-        speculation="adaptive",
-        graph_mode=graph_mode,
-        max_num_seqs=2,
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
-    assert policy is not None
+    engine, policy = _adaptive_at_tau1(model_pair, graph_mode, max_num_seqs=2)
     _seed_plain_regime(policy)
     policy._next_explore = 10**9  # no exploration: what drafts is the probes and the re-probes
     retire = policy.sample.retire

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.adapter import gpu_engine
-from tests.unit.test_draft_handoff import run_handoff
+from tests.unit.test_draft_handoff import assert_steps_equal, run_handoff
 
 pytestmark = pytest.mark.gpu
 
@@ -26,10 +26,5 @@ def test_gpu_handoff_equals_the_host_path(trained_pair, mode, monkeypatch):
     out, stats, commits, launches = run(False)
     h_out, h_stats, h_commits, h_launches = run(True)
     assert launches > 0 and h_launches == 0, f"hand-off launches {launches}, host path {h_launches}"
-    step = next((i for i, (a, b) in enumerate(zip(commits, h_commits)) if a != b), None)
-    assert step is None and len(commits) == len(h_commits), (
-        f"verify step {step} of {len(commits)} / {len(h_commits)}: drafts differ between hand-off and host path"
-    )
-    first = next((i for i, (a, b) in enumerate(zip(stats, h_stats)) if a != b), None)
-    assert first is None, f"request {first}: committed per step {stats[first]} (hand-off) != {h_stats[first]} (host)"
+    assert_steps_equal(stats, commits, h_stats, h_commits)
     assert out == h_out

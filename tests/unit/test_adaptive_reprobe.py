@@ -31,11 +31,15 @@ def _plain_policy() -> AdaptivePolicy:
     return pol
 
 
-def _drafting_decisions(pol: AdaptivePolicy, ids: list[int], steps: int, budget: int = 10_000) -> list[int]:
-    """Run `steps` decisions for `ids`, every block accepting nothing; the decisions (pol.steps after each) at
-    which any request drafted."""
+def _drafting_decisions(
+    pol: AdaptivePolicy, ids: list[int], steps: int, budget: int = 10_000, until: int | None = None
+) -> list[int]:
+    """Run `steps` decisions for `ids`, every block accepting nothing (stopping early once request `until`
+    retired); the decisions (pol.steps after each) at which any request drafted."""
     drafted = []
     for k in range(steps):
+        if until in pol.retired:
+            break
         spans = pol.choose(ids, [budget - k] * len(ids))
         if max(spans) > 1:
             drafted.append(pol.steps)
@@ -88,20 +92,6 @@ def test_reprobes_find_a_generation_that_turns_repetitive(concurrency, waves, tu
     )
 
 
-def _decide_until_retired(pol: AdaptivePolicy, rid: int, limit: int) -> list[int]:
-    """Decisions for request `rid` alone (a batch of one), every block in line with the tau 1.3 workload
-    (nothing accepted), until it retires or `limit` decisions; the decisions at which it drafted."""
-    drafted = []
-    for k in range(limit):
-        if rid in pol.retired:
-            break
-        spans = pol.choose([rid], [500 - k])
-        if spans[0] > 1:
-            drafted.append(pol.steps)
-            pol.observe_acceptance(rid, spans[0], 0)
-    return drafted
-
-
 def test_small_batches_retire_in_a_plain_regime_only_after_a_reprobe():
     """A request in a batch of fewer than PROBE_SAMPLE retires in a plain regime once a re-probe, later in its
     generation, was in line too, not on its first block alone (retired, it would never draft again: the trained
@@ -109,7 +99,7 @@ def test_small_batches_retire_in_a_plain_regime_only_after_a_reprobe():
     With re-probes off, or while position 1 fails, it retires on its first block as before."""
     pol, rid = _policy_in_a_tau13_workload()
     pol._spec_at = -RETIRE_AFTER  # a plain regime already
-    drafted = _decide_until_retired(pol, rid, 3 * REPROBE_EVERY)
+    drafted = _drafting_decisions(pol, [rid], 3 * REPROBE_EVERY, budget=500, until=rid)
     assert rid in pol.retired, f"not retired after {pol.steps} decisions (drafted at {drafted})"
     assert len(drafted) == 2 and drafted[1] % REPROBE_EVERY == 0 and pol.reprobes == 1, (
         f"drafted at decisions {drafted}: its first-step probe, then one re-probe before it retired"
@@ -119,7 +109,7 @@ def test_small_batches_retire_in_a_plain_regime_only_after_a_reprobe():
     pol, rid = _policy_in_a_tau13_workload()
     pol._spec_at = -RETIRE_AFTER
     pol.reprobe_every = 0
-    drafted = _decide_until_retired(pol, rid, 3 * REPROBE_EVERY)
+    drafted = _drafting_decisions(pol, [rid], 3 * REPROBE_EVERY, budget=500, until=rid)
     assert rid in pol.retired and drafted == [1] and pol.steps == 2, (
         f"re-probes off: retired after its first block (drafted at {drafted}, {pol.steps} decisions)"
     )

@@ -5,7 +5,7 @@ the device, wherever the layout put them; the graph modes on the CPU (fake captu
 produce the same drafts, committed lengths and outputs as the host path (drafts read back before the
 verify); a proposer whose `propose` was replaced goes the host way; the clock's split adds up to the step.
 
-Run: pytest tests/unit/test_draft_handoff.py        (on CUDA the same paths run in tests/gpu/test_gpu_graphs.py)
+Run: pytest tests/unit/test_draft_handoff.py        (on CUDA: tests/gpu/test_gpu_draft_handoff.py)
 """
 
 from __future__ import annotations
@@ -70,6 +70,17 @@ def run_handoff(engine, host: bool, monkeypatch):
     return [r.output_ids for r in reqs], stats, commits, launches[0]
 
 
+def assert_steps_equal(stats, commits, h_stats, h_commits) -> None:
+    """The hand-off's committed lengths per request and drafts per verify step equal the host path's (with fixed
+    spans both run the same graphs on the same inputs). Shared with tests/gpu/test_gpu_draft_handoff.py."""
+    first = next((i for i, (a, b) in enumerate(zip(stats, h_stats)) if a != b), None)
+    assert first is None, f"request {first}: committed per step {stats[first]} (hand-off) != {h_stats[first]} (host)"
+    step = next((i for i, (a, b) in enumerate(zip(commits, h_commits)) if a != b), None)
+    assert step is None and len(commits) == len(h_commits), (
+        f"verify step {step} of {len(commits)} / {len(h_commits)}: drafts differ between hand-off and host path"
+    )
+
+
 def _run(pair, mode: str, speculation: str, host: bool, monkeypatch):
     engine = cpu_engine(pair.target, pair.draft, graph_mode=mode, max_num_seqs=4, speculation=speculation)
     return run_handoff(engine, host, monkeypatch)
@@ -90,12 +101,7 @@ def test_handoff_equals_the_host_path(trained_pair, mode, speculation, monkeypat
         assert_same_tokens(h, w, f"request {i}, host path")
     if speculation != "fixed":
         return
-    first = next((i for i, (a, b) in enumerate(zip(stats, h_stats)) if a != b), None)
-    assert first is None, f"request {first}: committed per step {stats[first]} (hand-off) != {h_stats[first]} (host)"
-    step = next((i for i, (a, b) in enumerate(zip(commits, h_commits)) if a != b), None)
-    assert step is None and len(commits) == len(h_commits), (
-        f"verify step {step} of {len(commits)} / {len(h_commits)}: drafts differ between hand-off and host path"
-    )
+    assert_steps_equal(stats, commits, h_stats, h_commits)
     assert sum(sum(s) for s in stats) > sum(len(s) for s in stats), "the trained pair accepted no draft at all"
 
 
