@@ -270,7 +270,11 @@ def test_hf_gate_on_stored_goldens():
     chosen = stored.topk[8:11] + stored.topk[-1:]  # short and long (256 + 24) sequences
     live = hf_reference.teacher_forced_topk(target_dir, {r.name: r.token_ids for r in chosen}, k=8)
     report = hf_gate(live, chosen, FP32)
-    assert report.passed and report.max < 1e-5, str(report)
+    # Beyond the calibrated tolerances: within fp32 rounding of the stored goldens. Under 1e-5 on the CPUs
+    # that made them; 1.5e-5 on a Xeon with AVX-512 / AMX (torch 2.13.0+cpu; 1.7e-5 with oneDNN held to AVX2,
+    # the same with 1, 2 or 4 threads and transformers 5.10-5.24), the longest record's last rows: 3e-5
+    # stays 3x under the calibrated p99 head delta (1e-4) and far under what a wrong context does (below).
+    assert report.passed and report.max < 3e-5, str(report)
     corrupted = {}
     for r in chosen:  # every row from position 4 on sees token 4 replaced; the records keep the true ids
         ids = list(r.token_ids)
