@@ -228,6 +228,10 @@ class EngineConfig:
     # "fixed": every verify span is min(B, remaining); "adaptive": refengine.spec_decode.adaptive picks each
     # request's span (1..B) per step from measured step costs and its acceptance (greedy output unchanged)
     speculation: str = "fixed"
+    # adaptive: a plain step's probes draft beside the decode instead of in a verify (spec_decode/
+    # shadow_probe.py). None: on where the draft overlaps the decode (CUDA graph modes); True also elsewhere
+    # (the CPU drafts after the decode: tests); False: probes verify, as before
+    shadow_probes: bool | None = None
     # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
     # `refengine bench --acceptance-profile` enables them. Any value is refused.
     acceptance_profile: str | None = None
@@ -269,6 +273,11 @@ class EngineConfig:
             raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
         if self.speculation not in SPECULATION_MODES:
             raise UnsupportedConfigError(f"speculation={self.speculation!r}: use one of {SPECULATION_MODES}")
+        if self.shadow_probes and self.speculation != "adaptive":
+            raise UnsupportedConfigError(
+                f"shadow_probes=True with speculation={self.speculation!r}: shadow probes are adaptive "
+                "speculation's (speculation='adaptive')"
+            )
         if self.acceptance_profile is not None:
             raise UnsupportedConfigError(
                 f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "

@@ -138,6 +138,10 @@ class Engine:
         )
         if self.scheduler.costs is not None:  # adaptive: its cost samples go over while graphs run
             self.runner.while_waiting = self.scheduler.costs.feed
+        if self.scheduler.policy is not None:  # where the draft overlaps the decode, unless told
+            graphed = self.target.device.type == "cuda" and config.graph_mode_name != "eager"
+            shadow = config.shadow_probes
+            self.scheduler.shadow_probes = graphed if shadow is None else shadow
         self._ids = itertools.count()
         self.finished: list[Request] = []
         self.last_plan: Plan | None = None  # the plan the last step ran (None: it had no work)
@@ -161,16 +165,19 @@ class Engine:
         if self.config.graph_mode_name == "eager":
             return {}
         capturer = Capturer(self.target.device)
+        # the drafter's graphs in a memory pool of their own: a shadow probe's draft replays beside the decode
+        # graph (runner/shadow_drafts.py), so their temporaries must not share addresses
+        lane_capturer = Capturer(self.target.device)
         taps = self.proposer.capture_layers if self.proposer is not None else ()
         span = self.proposer.block_size if self.proposer is not None else None
         store = self.store.rows if self.store is not None else None
         if isinstance(self.proposer, DFlashLane):
             self.proposer.graph = build_draft_graph(
-                self.proposer.drafter, self.proposer.pool, self.config, capturer, store
+                self.proposer.drafter, self.proposer.pool, self.config, lane_capturer, store
             )
             if self.store is not None:
                 self.proposer.catch_up_graphs = CatchUpGraphs(
-                    self.proposer.graph.stack, capturer, self.store.pool.dummy_slot
+                    self.proposer.graph.stack, lane_capturer, self.store.pool.dummy_slot
                 )
         adaptive = self.config.speculation == "adaptive"  # its retired requests decode without taps
         return build_target_graphs(

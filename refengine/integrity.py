@@ -17,7 +17,8 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     matching status; every running request has a table covering exactly its committed length; nothing
     (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
     running, waiting ones included; every speculating request's drafter context matches its KV; the
-    requests retired from speculation are running, and the policy and the scheduler agree on them."""
+    requests retired from speculation are running, and the policy and the scheduler agree on them and on the
+    shadow probes awaiting an answer."""
     sched.pool.check_integrity()
     running = {r.request_id: r for r in sched.running}
     waiting = {r.request_id: r for r in sched.waiting}
@@ -56,6 +57,11 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
             raise IntegrityError(
                 f"retired from speculation: the policy holds {sorted(policy.retired)}, the scheduler's stats "
                 f"{sorted(sched.retired_at)}, running {sorted(running)}"
+            )
+        if policy is not None and (policy.in_flight != sched.shadows.open.keys() or policy.in_flight - running.keys()):
+            raise IntegrityError(
+                f"shadow probes: the policy awaits {sorted(policy.in_flight)}, the scheduler holds "
+                f"{sorted(sched.shadows.open)}, running {sorted(running)}"
             )
         for rid in spec:
             rows = sched.proposer.context_rows(rid)

@@ -14,6 +14,7 @@ from refengine.request import Request
 
 if TYPE_CHECKING:  # a runtime import would cycle (refengine.runner imports this module)
     from refengine.runner.logits import TopK
+    from refengine.spec_decode.proposer import DraftItem
 
 
 @dataclass
@@ -31,6 +32,9 @@ class DecodePlan:
     # requests of a capturing plan whose rows are not captured: retired from speculation by the adaptive policy
     # (they ride along at span 1 and have no drafter context). A plan of retired requests only does not capture.
     uncaptured: frozenset[int] = frozenset()
+    # adaptive shadow probes (spec_decode/shadow_probe.py): blocks drafted at these requests' current
+    # positions while the step decodes, to compare with the tokens it and the next steps commit
+    shadow: tuple[DraftItem, ...] = ()
 
 
 @dataclass
@@ -63,6 +67,7 @@ class StepResult:
     # decode, every span row for verify)
     topk: list[list[TopK]] = field(default_factory=list)  # per scored row when the request asked for logprobs
     drafts: list[list[int]] = field(default_factory=list)  # verify: the span - 1 drafts each request proposed
+    shadow_drafts: list[list[int]] = field(default_factory=list)  # decode: span - 1 per DecodePlan.shadow item
 
 
 def scored_rows(plan: Plan, i: int) -> int:
@@ -88,6 +93,12 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         raise StepError(f"result has top-k for {len(result.topk)} requests, the plan has {n}")
     if isinstance(plan, VerifyPlan) and len(result.drafts) != n:
         raise StepError(f"result has drafts for {len(result.drafts)} requests, the verify plan has {n}")
+    shadow = plan.shadow if isinstance(plan, DecodePlan) else ()
+    if len(result.shadow_drafts) != len(shadow):
+        raise StepError(f"result has {len(result.shadow_drafts)} shadow drafts, the plan {len(shadow)} shadow probes")
+    for it, d in zip(shadow, result.shadow_drafts):
+        if len(d) != it.span - 1 or not all(0 <= t < vocab_size for t in d):
+            raise StepError(f"request {it.req_id}: shadow drafts {d[:4]} for a span of {it.span}")
     every_row_captures = isinstance(plan, VerifyPlan) or (isinstance(plan, DecodePlan) and plan.capture)
     for i, req in enumerate(plan.requests):
         rows, rid = scored_rows(plan, i), req.request_id

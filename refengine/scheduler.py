@@ -29,7 +29,8 @@ from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.cost_samples import CostSamples
 from refengine.spec_decode.plain_stretch import PlainStretch
-from refengine.spec_decode.proposer import Proposer
+from refengine.spec_decode.proposer import DraftItem, Proposer
+from refengine.spec_decode.shadow_probe import ShadowProbes
 from refengine.validation import validate_prompt
 
 
@@ -66,6 +67,10 @@ class Scheduler(StepCommit):
         # adaptive: requests retired from speculation -> their output length then; their span-1 steps since are
         # written into their SpecStats in one call when they leave (no per-request record a step)
         self.retired_at: dict[int, int] = {}  # (integrity.py checks it against the policy's)
+        # adaptive: a plain choice's probes draft while the step decodes (spec_decode/shadow_probe.py); the
+        # engine turns this on where the draft overlaps the decode (CUDA graphs, runner/shadow_drafts.py)
+        self.shadow_probes = False
+        self.shadows = ShadowProbes()
 
     def bind_timings(
         self,
@@ -138,6 +143,7 @@ class Scheduler(StepCommit):
         self.waiting = deque(r for r in self.waiting if r is not req)
         self.running = [r for r in self.running if r is not req]
         self.pool.release(req.request_id)
+        self.shadows.release(req.request_id)
         retired_at = self.retired_at.pop(req.request_id, None)
         if retired_at is not None and len(req.output_ids) > retired_at:  # one token a step since it retired
             req.spec.record(1, 1, times=len(req.output_ids) - retired_at)
@@ -211,6 +217,10 @@ class Scheduler(StepCommit):
                     uncaptured = frozenset(r.request_id for r in spec if r.request_id in retired)
                 if self.costs is not None:
                     self.costs.mark_plan()
+                if self.shadow_probes:
+                    probed = self.policy.shadowable(spans)
+                    if probed:
+                        return self._shadow_step(spec, spans, probed, uncaptured)
             else:
                 spans = [self.active_proposer.block_size] * len(spec)
             if max(spans) > 1:  # (a plain choice, the common one in a plain stretch, skips this pass)
@@ -231,14 +241,30 @@ class Scheduler(StepCommit):
             return self._decode(plain)
         return None
 
-    def _decode(
-        self, reqs: list[Request], capture: bool = False, uncaptured: frozenset[int] = frozenset()
+    def _shadow_step(
+        self, spec: list[Request], spans: list[int], probed: list[int], uncaptured: frozenset[int]
     ) -> DecodePlan:
-        """A decode step of `reqs`: one KV row each (see DecodePlan for `capture` and `uncaptured`)."""
+        """A plain choice whose only drafting requests are probes: a decode step of every request, the probed
+        ones drafting their block (span as chosen) at the same position (spec_decode/shadow_probe.py)."""
+        items = tuple(
+            DraftItem(spec[i].request_id, spec[i].output_ids[-1], spec[i].committed_len, spans[i]) for i in probed
+        )
+        assert self.policy is not None
+        self.policy.shadows_launched([it.req_id for it in items])
+        return self._decode(spec, capture=True, uncaptured=uncaptured, shadow=items)
+
+    def _decode(
+        self,
+        reqs: list[Request],
+        capture: bool = False,
+        uncaptured: frozenset[int] = frozenset(),
+        shadow: tuple[DraftItem, ...] = (),
+    ) -> DecodePlan:
+        """A decode step of `reqs`: one KV row each (see DecodePlan for `capture`, `uncaptured`, `shadow`)."""
         for r in reqs:
             self.pool.extend(r.request_id, 1)
         self.plan_counts["decode"] += 1
-        return DecodePlan(reqs, capture=capture, uncaptured=uncaptured)
+        return DecodePlan(reqs, capture=capture, uncaptured=uncaptured, shadow=shadow)
 
     # ---- failure: undo a plan (see the module docstring for the policy) -----------------------------------
     def take_done(self) -> list[Request]:

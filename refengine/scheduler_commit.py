@@ -13,6 +13,7 @@ from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.cost_samples import CostSamples
 from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE, PlainStretch
+from refengine.spec_decode.shadow_probe import ShadowProbes
 
 
 class StepCommit(StepRecovery):
@@ -23,6 +24,7 @@ class StepCommit(StepRecovery):
     costs: CostSamples | None
     acceptance_override: AcceptanceOverride | None
     _stretch: PlainStretch | None
+    shadows: ShadowProbes
 
     # ---- commit ------------------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: list[int] | tuple[int, ...]) -> None:
@@ -60,7 +62,9 @@ class StepCommit(StepRecovery):
                 if result.topk:
                     req.topk.extend(result.topk[i])
                 self._append(req, (result.argmax[i][-1],))
-            if plan.capture and self.costs is not None:
+            if plan.shadow:
+                self._open_shadows(plan, result)
+            elif plan.capture and self.costs is not None:  # (a shadow's draft slowed the step: no sample)
                 self.costs.take(plan, STRETCH_SAMPLE if stretch is not None else 1)
         else:
             ignore = [r.params.ignore_eos for r in plan.requests]
@@ -82,9 +86,32 @@ class StepCommit(StepRecovery):
             self.pool.revert_schedule(plan.reservation)
             if self.costs is not None:
                 self.costs.take(plan)
+        if self.shadows.open:
+            self._settle_shadows(plan)
         self._retire_and_check(plan)
         if self.costs is not None and not self.running and not self.waiting:
             self.costs.feed()  # idle: no next step will hand the sample over
+
+    def _open_shadows(self, plan: DecodePlan, result: StepResult) -> None:
+        """The step's shadow probes begin: each block's drafts against the tokens from this step's on."""
+        assert self.policy is not None
+        for it, drafts in zip(plan.shadow, result.shadow_drafts):
+            req = next(r for r in plan.requests if r.request_id == it.req_id)
+            if self.acceptance_override is not None:  # benchmark-only: m drawn as for a verify of that span
+                self.policy.observe_shadow(it.req_id, it.span, self.acceptance_override.draw(it.req_id, it.span))
+            else:  # d_1 predicts the token this step committed (the request's current token was at it.start)
+                self.shadows.start(it.req_id, it.start - len(req.prompt_ids) + 1, drafts, it.span)
+
+    def _settle_shadows(self, plan: Plan) -> None:
+        """Shadow probes of the plan's requests that its tokens decide: their answers go to the policy."""
+        assert self.policy is not None
+        for req in plan.requests:
+            if req.request_id in self.shadows.open:
+                got = self.shadows.settle(req.request_id, req.output_ids, req.finished)
+                if got is not None:
+                    self.policy.observe_shadow(req.request_id, *got)
+                elif req.finished:
+                    self.policy.in_flight.discard(req.request_id)
 
     def _stretch_of(self, plan: Plan) -> PlainStretch | None:
         """The open plain stretch when `plan` is one of its steps."""

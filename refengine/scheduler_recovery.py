@@ -8,6 +8,7 @@ from collections import deque
 from refengine.kv.pool import KvPool
 from refengine.plan import DecodePlan, Plan, PrefillPlan
 from refengine.request import FinishReason, Request, RequestStatus
+from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.proposer import Proposer
 
 MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with FinishReason.ERROR (1 retry)
@@ -18,6 +19,7 @@ class StepRecovery:
     pool: KvPool
     proposer: Proposer | None
     waiting: deque[Request]
+    policy: AdaptivePolicy | None
     _done: list[Request]
 
     def speculates(self, req: Request) -> bool:
@@ -48,6 +50,8 @@ class StepRecovery:
         elif isinstance(plan, DecodePlan):
             for r in plan.requests:
                 self.pool.truncate(r.request_id, r.committed_len)
+            if plan.shadow and self.policy is not None:  # its shadow probes never began: they may be tried again
+                self.policy.in_flight.difference_update(it.req_id for it in plan.shadow)
         else:
             self.pool.revert_schedule(plan.reservation)  # nothing applied: frees every block it allocated
         if not count:

@@ -18,7 +18,7 @@ from refengine.attention.base import AttnBatch
 from refengine.attention.torch_backend import TorchPagedAttention
 from refengine.kv.pool import KvPool
 
-FLOAT_WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; shared by every wrapper of a device
+FLOAT_WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; shared by a device's wrappers of a kind
 
 
 class TorchGraphAttention:
@@ -39,16 +39,20 @@ class TorchGraphAttention:
 
 
 class FlashInferGraphAttention:
-    _workspaces: dict[torch.device, torch.Tensor] = {}
+    _workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
 
-    def __init__(self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: str = "target"
+    ):
+        """`workspace`: the float workspace's kind. Wrappers of one kind run one at a time and share it; the
+        drafter's ("draft") may run beside the target's (a shadow probe, runner/shadow_drafts.py)."""
         import flashinfer  # lazily: CPU installs never need it
 
         dev = pool.k[0].device
-        ws = self._workspaces.get(dev)
+        ws = self._workspaces.get((dev, workspace))
         if ws is None:
-            ws = self._workspaces[dev] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            ws = self._workspaces[(dev, workspace)] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         pages = pool.k[0].shape[0]
         self.pool, self.heads = pool, (num_heads, num_kv_heads, head_dim)
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)

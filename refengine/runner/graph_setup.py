@@ -18,9 +18,13 @@ from refengine.runner.capture import Capturer
 from refengine.runner.graphs import GraphRunner, row_caps
 
 
-def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> Callable[[int], object]:
+def _attention_factory(
+    config: EngineConfig, pool: KvPool, cfg: ModelConfig, workspace: str = "target"
+) -> Callable[[int], object]:
     if config.backend_name == "flashinfer":
-        return lambda bucket: FlashInferGraphAttention(pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return lambda bucket: FlashInferGraphAttention(
+            pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, workspace=workspace
+        )
     return lambda bucket: TorchGraphAttention(pool)
 
 
@@ -97,7 +101,7 @@ def build_draft_graph(
     )
     return GraphRunner(
         stack,
-        _attention_factory(config, pool, m),
+        _attention_factory(config, pool, m, workspace="draft"),  # (it may run beside the target's graphs)
         mode=config.graph_mode_name,
         span=drafter.cfg.block_size,
         max_batch=config.max_num_seqs,

@@ -19,6 +19,7 @@ from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
+from refengine.runner.shadow_drafts import ShadowDrafts
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
@@ -60,6 +61,7 @@ class ModelRunner:
         # host work that needs no result of the step (the scheduler's last cost sample): done between a graph's
         # launch and the step's one host sync, where the host would only wait
         self.while_waiting: Callable[[], None] | None = None
+        self.shadow = ShadowDrafts(target.device)  # adaptive shadow probes' drafts, beside a decode step
 
     def verify_rows(self, n: int, rows: int) -> int:
         """Rows a verify of n requests and `rows` real rows computes: its graph shape, or the rows (eager)."""
@@ -108,15 +110,19 @@ class ModelRunner:
         whole_step: bool = False,
         uncaptured: frozenset[int] = frozenset(),
         fill: Callable[[StepState], None] | None = None,
+        beside: Callable[[], None] | None = None,
     ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
         Returns the argmax of every real row per request, and stages the rows of every request but those in
-        `uncaptured` when `capture` (`whole_step`: a decode plan's, one row per request, staged in one call)."""
+        `uncaptured` when `capture` (`whole_step`: a decode plan's, one row per request, staged in one call);
+        `beside()` queues work to overlap the graph once it is queued (shadow drafts)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
         # a graph with taps writes every row's tap features into the store at its slots
         g = runner.run(steps, fill=fill)
+        if beside is not None:
+            beside()
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         if capture and self.proposer is not None:
@@ -246,35 +252,50 @@ class ModelRunner:
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
         if isinstance(plan, DecodePlan):
-            reqs = plan.requests
-            # a step that captures nothing runs the decode graph without taps when the engine has one
-            kind = "decode" if plan.capture or "decode_plain" not in self.graphs else "decode_plain"
-            graphed = (
-                None
-                if any(r.params.logprobs for r in reqs)
-                else self._replay(
-                    kind,
-                    [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
-                    capture=plan.capture,
-                    whole_step=plan.capture,
-                    uncaptured=plan.uncaptured,
-                )
-            )
-            if graphed is not None:
-                self.timings["decode_s"] += time.perf_counter() - t0
-                return StepResult(graphed)
-            spans = [(r.request_id, r.committed_len, 1) for r in reqs]
-            a, t = self._run(
-                [[r.output_ids[-1]] for r in reqs],
-                spans,
-                [plan.capture and r.request_id not in plan.uncaptured for r in reqs],
-                [range(1)] * len(reqs),
-                [r.params.logprobs for r in reqs],
-                whole_step=plan.capture,
-            )
-            self._sync()
+            result = self._decode(plan)
+            if plan.shadow:
+                assert self.proposer is not None
+                result.shadow_drafts = self.shadow.read(self.proposer, list(plan.shadow))
             self.timings["decode_s"] += time.perf_counter() - t0
-            return StepResult(a, t)
+            return result
+        return self._verify(plan)
+
+    def _decode(self, plan: DecodePlan) -> StepResult:
+        """A decode step; a shadow probe's drafts are queued beside its graph (read by execute)."""
+        reqs, shadow, proposer = plan.requests, plan.shadow, self.proposer
+        beside = None
+        if shadow and proposer is not None:
+            self.shadow.begin()
+            beside = lambda: self.shadow.launch(proposer, list(shadow))  # noqa: E731
+        # a step that captures nothing runs the decode graph without taps when the engine has one
+        kind = "decode" if plan.capture or "decode_plain" not in self.graphs else "decode_plain"
+        graphed = (
+            None
+            if any(r.params.logprobs for r in reqs)
+            else self._replay(
+                kind,
+                [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
+                capture=plan.capture,
+                whole_step=plan.capture,
+                uncaptured=plan.uncaptured,
+                beside=beside,
+            )
+        )
+        if graphed is not None:
+            return StepResult(graphed)
+        spans = [(r.request_id, r.committed_len, 1) for r in reqs]
+        a, t = self._run(
+            [[r.output_ids[-1]] for r in reqs],
+            spans,
+            [plan.capture and r.request_id not in plan.uncaptured for r in reqs],
+            [range(1)] * len(reqs),
+            [r.params.logprobs for r in reqs],
+            whole_step=plan.capture,
+        )
+        self._sync()
+        return StepResult(a, t)
+
+    def _verify(self, plan: Plan) -> StepResult:
         assert isinstance(plan, VerifyPlan) and self.proposer is not None
         clock = VerifyClock(self.target.device)
         view = self.pool.speculative_view(plan.reservation)

@@ -67,6 +67,9 @@ class AdaptivePolicy(Retirement):
     reprobes: int = 0  # of those probes, re-probes of requests decoding plainly (exploration.REPROBE_EVERY)
     reprobe_every: int = REPROBE_EVERY  # small batches' re-probe period, in decisions (0: no re-probes)
     reprobed: set[int] = field(default_factory=set)  # live requests re-probed at least once
+    probed: list[int] = field(default_factory=list)  # the last choice's probes: indices widened past its spans
+    in_flight: set[int] = field(default_factory=set)  # requests whose shadow probe awaits its answer
+    shadows: int = 0  # probes drafted as shadows (refengine/spec_decode/shadow_probe.py)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     _next_explore: int = MIN_EXPLORE
@@ -105,6 +108,7 @@ class AdaptivePolicy(Retirement):
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
         self.explored, self.searched, self.probes, self.reprobes, self.caps = 0, 0, 0, 0, Counter()
+        self.shadows = 0
         self.sample.unprobed = self.sample.retirements = 0
         self.sample.retired_by = Counter()
         self._decisions_before = self.steps
@@ -116,6 +120,7 @@ class AdaptivePolicy(Retirement):
     def choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
         catch-up observe_step may see)."""
+        self.probed = []
         spans = self._choose(req_ids, remaining)
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
@@ -278,7 +283,27 @@ class AdaptivePolicy(Retirement):
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
         self._drafted_at[req_id] = self.steps
 
+    def shadowable(self, spans: list[int]) -> list[int]:
+        """Indices of the requests a plain choice probes (`spans`: the choice's): the probes can be shadows,
+        drafted while the step decodes plainly (shadow_probe.py). Empty when anything else drafts."""
+        probed = self.probed
+        if not probed or self.last is None or self.last.cap > 1:
+            return []
+        ours = set(probed)
+        return probed if all(s == 1 for i, s in enumerate(spans) if i not in ours) else []
+
+    def shadows_launched(self, req_ids: list[int]) -> None:
+        """Their probes draft as shadows: no new probe or retirement for them until the answer is in."""
+        self.in_flight.update(req_ids)
+        self.shadows += len(req_ids)
+
+    def observe_shadow(self, req_id: int, span: int, accepted: int) -> None:
+        """A shadow probe's answer: what a verify of `span` would have accepted (shadow_probe.py)."""
+        self.in_flight.discard(req_id)
+        self.observe_acceptance(req_id, span, accepted)
+
     def release(self, req_id: int) -> None:
+        self.in_flight.discard(req_id)
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self._drafted_at.pop(req_id, None)

@@ -76,6 +76,8 @@ class Exploration:
     reprobes: int
     reprobe_every: int
     reprobed: set[int]
+    probed: list[int]
+    in_flight: set[int]
     probe_regret_s: float
     interval: int
     explored: int
@@ -127,6 +129,7 @@ class Exploration:
             and (r not in self.drafted or (thin and self.drafted[r] == (1, 0)))
             and not (self.sample.passed(r) and sampling())
             and r not in self.sample.retired
+            and r not in self.in_flight
         ]
         if new and n >= PROBE_SAMPLE and sampling():  # (a batch of fewer: every new request)
             new = self.sample.sample(req_ids, new)
@@ -137,6 +140,7 @@ class Exploration:
             self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
             self.probes += len(new)
             self.caps[d.cap] += 1
+            self.probed = new
             return spans
         if self._reprobes_due(n, self.steps):  # re-probes (small batches): see REPROBE_EVERY
             again = [
@@ -146,6 +150,7 @@ class Exploration:
                 and remaining[i] > b
                 and r in self.drafted
                 and r not in self.sample.retired
+                and r not in self.in_flight
                 and self.steps - self._drafted_at[r] >= self.reprobe_every // 2
             ]
             if again:  # (up to the first position known to fail in later blocks, as an exploration)
@@ -155,11 +160,16 @@ class Exploration:
                 self.reprobes += len(again)
                 self.reprobed.update(req_ids[i] for i in again)
                 self.caps[d.cap] += 1
+                self.probed = again
                 return spans
         fresh = [
             i
             for i, r in enumerate(req_ids)
-            if d.spans[i] == 1 and remaining[i] > 1 and r not in self.sample.retired and self._probing(r)
+            if d.spans[i] == 1
+            and remaining[i] > 1
+            and r not in self.sample.retired
+            and r not in self.in_flight
+            and self._probing(r)
         ]
         if fresh:  # follow-up probes of requests still being learnt, as many as the budget affords
             budget = self._budget(remaining) if budget is None else budget
@@ -173,6 +183,7 @@ class Exploration:
                     self.regret_s += regret
                     self.probes += k
                     self.caps[d.cap] += 1
+                    self.probed = fresh[:k]
                     return trial
                 k //= 2
         return None

@@ -18,6 +18,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "searched": policy.searched,
         "probes": policy.probes,
         "reprobes": policy.reprobes,
+        "shadows": policy.shadows,  # probes drafted while their step decoded plainly (shadow_probe.py)
         "unprobed": policy.unprobed,
         "retired": policy.retirements,
         "retired_by": dict(sorted(policy.sample.retired_by.items())),  # which rule, at which batch size

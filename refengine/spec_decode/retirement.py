@@ -47,8 +47,8 @@ class Retirement(Exploration):
             return
         n, tables = len(req_ids), self._tables[1]
         for i, (r, s) in enumerate(zip(req_ids, spans)):
-            if s != 1 or r in out.retired or d.spans[i] != 1:
-                continue  # drafting now, retired already, or a plain exploration of a speculating choice
+            if s != 1 or r in out.retired or d.spans[i] != 1 or r in self.in_flight:
+                continue  # drafting now (or its shadow probe is), retired already, or a plain exploration
             if r in self.drafted:
                 if self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs):
                     continue
