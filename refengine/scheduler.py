@@ -263,7 +263,7 @@ class Scheduler(StepCommit):
         """A decode step of `reqs`: one KV row each (see DecodePlan for `capture`, `uncaptured`, `shadow`)."""
         for r in reqs:
             self.pool.extend(r.request_id, 1)
-        self.plan_counts["decode"] += 1
+        self.plan_counts["shadow" if shadow else "decode"] += 1  # (their times: the runner's decode_s, shadow_s)
         return DecodePlan(reqs, capture=capture, uncaptured=uncaptured, shadow=shadow)
 
     # ---- failure: undo a plan (see the module docstring for the policy) -----------------------------------

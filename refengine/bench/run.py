@@ -131,7 +131,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
     stats = SpecStats()
     for r in reqs:
         stats.merge(r.spec)
-    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s"))
+    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s", "shadow_s"))
     return {
         "tokens": tokens,
         "seconds": secs,

@@ -57,6 +57,10 @@ class ModelRunner:
             "verify_s": 0.0,
             "sync_wait_s": 0.0,
             "catch_up_s": 0.0,
+            # decode steps carrying a shadow probe's drafts: apart from decode_s, which the adaptive policy's
+            # plain cost samples read (counted there, a shadow's draft made the next sample's step look dearer:
+            # the trained tiny pair's P(16) read 1.09 ms for a 0.7 ms step, and adaptive speculated at a loss)
+            "shadow_s": 0.0,
         }
         # host work that needs no result of the step (the scheduler's last cost sample): done between a graph's
         # launch and the step's one host sync, where the host would only wait
@@ -256,7 +260,7 @@ class ModelRunner:
             if plan.shadow:
                 assert self.proposer is not None
                 result.shadow_drafts = self.shadow.read(self.proposer, list(plan.shadow))
-            self.timings["decode_s"] += time.perf_counter() - t0
+            self.timings["shadow_s" if plan.shadow else "decode_s"] += time.perf_counter() - t0
             return result
         return self._verify(plan)
 

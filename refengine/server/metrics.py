@@ -40,7 +40,7 @@ def render_metrics(s: dict[str, Any], model: str) -> str:
     buckets.append((f"_count{{{lab}}}", s["verify_steps"]))
     metric("spec_accepted_length", "histogram", "Committed length (accepted drafts + 1) per verify step.", buckets)
     t = s["timings"]
-    for key in ("draft_s", "verify_s", "prefill_s", "decode_s"):
+    for key in ("draft_s", "verify_s", "prefill_s", "decode_s", "shadow_s"):
         metric(
             f"{key[:-2]}_seconds_total",
             "counter",
