@@ -27,7 +27,7 @@ import torch
 from refengine.bench.prompts import PROMPT_SETS
 from refengine.bench.report import KEY, print_table
 from refengine.bench.run import BenchError, measure_copy_bandwidth
-from refengine.bench.suite import MODES, bench
+from refengine.bench.suite import EXTRA_MODES, MODES, bench
 from refengine.spec_decode.acceptance_profile import parse_profile
 
 
@@ -51,7 +51,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="measured runs per row (median, min-max reported)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated subset of {','.join(MODES + EXTRA_MODES)} (adaptive-noshadow: its probes verify)",
+    )
     p.add_argument(
         "--acceptance-profile",
         default=None,
@@ -115,8 +119,8 @@ def _cmd(args) -> int:
     else:
         target, draft = args.target, args.draft
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not modes or not set(modes) <= set(MODES):
-        raise BenchError(f"--modes {args.modes!r}: use a subset of {','.join(MODES)}")
+    if not modes or not set(modes) <= set(MODES + EXTRA_MODES):
+        raise BenchError(f"--modes {args.modes!r}: use a subset of {','.join(MODES + EXTRA_MODES)}")
     if args.repeats < 1 or args.output_tokens < 1 or args.prompt_len < 1:
         raise BenchError("--repeats, --output-tokens and --prompt-len must be positive")
     profiles = [p for p in (args.acceptance_profile or "").split(",") if p.strip()]

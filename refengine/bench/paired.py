@@ -61,7 +61,9 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
             mode = mode_of[name]
             if mode != "plain":
                 set_override(e, override)
-            if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last
+            if (
+                mode.startswith("adaptive") and k
+            ):  # the policy learns: its estimates describe this profile, not the last
                 settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
             labels[name] = CONTROL if name == "control" else row_label(mode, override, j.synthetic)
         for c in j.concurrency:

@@ -213,7 +213,8 @@ def engine_for(
         synthetic_weights=synthetic,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        speculation="adaptive" if mode == "adaptive" else "fixed",
+        speculation="adaptive" if mode.startswith("adaptive") else "fixed",
+        shadow_probes=False if mode == "adaptive-noshadow" else None,
         graph_mode=graph_mode,
         num_blocks=num_blocks,
     )

@@ -48,7 +48,9 @@ from refengine.config import DEFAULT_PAGE_SIZE
 from refengine.kv.pool import blocks_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile, parse_profile
 
-MODES = ("plain", "dflash", "adaptive")
+MODES = ("plain", "dflash", "adaptive")  # the default --modes
+# on request only: adaptive with its probes verifying (EngineConfig.shadow_probes=False), to measure shadow probes
+EXTRA_MODES = ("adaptive-noshadow",)
 METHOD_ISOLATED = (
     "each mode in a fresh process: loaded, settled, then each profile's cells by concurrency (adaptive: settled"
     " again under each later profile)"
@@ -233,7 +235,9 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         override = AcceptanceOverride(prof, j.seed) if prof is not None else None
         if mode != "plain":
             set_override(e, override)
-        if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
+        if (
+            mode.startswith("adaptive") and k
+        ):  # the policy learns: its estimates describe this profile, not the last one
             settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
         label = row_label(mode, override, j.synthetic)
         for c in j.concurrency:

@@ -68,3 +68,12 @@ def test_only_a_plain_choices_probes_may_be_shadows():
     assert p.shadowable([16, 2]) == [], "another request drafts: the step verifies anyway"
     p.probed = []
     assert p.shadowable([16, 1]) == [], "not a probe: an exploration or a speculating choice"
+
+
+def test_shadow_probes_are_adaptive_speculations():
+    from refengine.config import EngineConfig
+    from refengine.errors import UnsupportedConfigError
+
+    with pytest.raises(UnsupportedConfigError, match="shadow probes are adaptive speculation's"):
+        EngineConfig("x", shadow_probes=True, speculation="fixed")
+    assert EngineConfig("x", shadow_probes=False).shadow_probes is False  # off is fine anywhere
