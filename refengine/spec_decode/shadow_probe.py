@@ -12,7 +12,7 @@ policy (no new probe, no retirement). A request that finishes first reports the 
 
 Why: a probe's verify step cost ~2.2 ms over the decode step it replaced at c1 on Qwen3-4B shapes (H200, run
 68: the draft, the wider verify, the planning of both), which is most of what adaptive loses to plain where
-drafts are never accepted. Side by side on the H200 (run 84, graph replays only), a draft graph on a second
+drafts are never accepted. Side by side on the H200 (run 85, graph replays only), a draft graph on a second
 stream adds 0.39 / 0.52 / 1.42 ms to the decode step at batch 1 / 8 / 32 (the draft and a 2-row verify after
 it: +0.84 / +1.04 / +1.92), and 0.01-0.07 ms on the trained tiny pair (+0.14-0.22); its host work runs while
 the decode graph does.

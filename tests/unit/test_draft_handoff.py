@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from refengine import SamplingParams
-from refengine.runner import model_runner
+from refengine.runner import verify_step
 from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.spec_decode.proposer import DraftItem, LaunchedDrafts
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
@@ -46,12 +46,12 @@ def run_handoff(engine, host: bool, monkeypatch):
     Shared with tests/gpu/test_gpu_draft_handoff.py."""
     launches = [0]  # the runner's launches whose drafts stayed on the device
 
-    def counted(proposer, items, _orig=model_runner.launch_drafts):
+    def counted(proposer, items, _orig=verify_step.launch_drafts):
         out = _orig(proposer, items)
         launches[0] += out is not None
         return out
 
-    monkeypatch.setattr(model_runner, "launch_drafts", counted)
+    monkeypatch.setattr(verify_step, "launch_drafts", counted)
     if host:
         engine.proposer.propose = engine.proposer.propose  # replaced on the instance: the host path
     commits: list[tuple[tuple[int, ...], ...]] = []  # each verify step's drafts, as the commit saw them

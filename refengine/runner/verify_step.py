@@ -1,0 +1,101 @@
+"""A verify step (a mixin of ModelRunner, refengine/runner/model_runner.py): the drafts of the requests that
+draft (span > 1) are launched on the device and handed to the verify graph there (runner/draft_handoff.py),
+or proposed on the host and verified eagerly when no graph fits; the step's time is split into draft and
+verify (VerifyClock) for the adaptive policy's cost curves and each request's stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from refengine.kv.pool import KvPool
+from refengine.models.qwen3 import Qwen3Model
+from refengine.models.segmented import StepState
+from refengine.plan import Plan, StepResult, VerifyPlan
+from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
+from refengine.runner.graphs import StepRow
+from refengine.runner.logits import TopK
+from refengine.spec_decode.proposer import DraftItem, Proposer
+
+Span = tuple[int, int, int]  # (req_id, start, q_len), as model_runner's
+
+
+class VerifyStep:
+    # what ModelRunner provides
+    target: Qwen3Model
+    pool: KvPool
+    proposer: Proposer | None
+    timings: dict[str, float]
+
+    def _replay(
+        self,
+        kind: str,
+        steps: list[StepRow],
+        capture: bool,
+        whole_step: bool = False,
+        uncaptured: frozenset[int] = frozenset(),
+        fill: Callable[[StepState], None] | None = None,
+        beside: Callable[[], None] | None = None,
+    ) -> list[list[int]] | None:
+        raise NotImplementedError
+
+    def _run(
+        self,
+        tokens: list[list[int]],
+        spans: list[Span],
+        capture: list[bool],
+        score_rows: list[range],
+        topk_k: list[int],
+        whole_step: bool = False,
+    ) -> tuple[list[list[int]], list[list[TopK]]]:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def _verify(self, plan: Plan) -> StepResult:
+        assert isinstance(plan, VerifyPlan) and self.proposer is not None
+        clock = VerifyClock(self.target.device)
+        view = self.pool.speculative_view(plan.reservation)
+        items = [
+            DraftItem(r.request_id, r.output_ids[-1], start, span) for r, (_, start, span) in zip(plan.requests, view)
+        ]
+        drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
+        drafts: list[list[int]] = [[] for _ in items]
+        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting else None
+        if drafting and launched is None:
+            for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
+                drafts[i] = d
+            self._sync()
+        clock.drafted()
+        if launched is not None:  # the drafts are still on the device: placeholders the verify graph swaps
+            for j, i in enumerate(drafting):
+                drafts[i] = placeholders(launched, j)
+        tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
+        kind = "verify" if any(span > 1 for _, _, span in view) else "decode"  # all span 1: every budget at its end
+        graphed = self._replay(
+            kind,
+            [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
+            capture=True,
+            uncaptured=plan.uncaptured,
+            fill=draft_fill(launched) if launched is not None else None,
+        )
+        if launched is not None:  # the drafts, read back after the verify's own results (no second wait)
+            for i, d in zip(drafting, launched.read()):
+                drafts[i] = d
+        if graphed is not None:
+            a = graphed
+        else:  # no verify graph fits: the eager forward, on the real drafts
+            tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
+            captured = [rid not in plan.uncaptured for rid, _, _ in view]
+            a, _ = self._run(tokens, view, captured, [range(s) for _, _, s in view], [0] * len(view))
+            self._sync()
+        self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
+        self.timings["catch_up_s"] += getattr(self.proposer, "take_catch_up", lambda: 0.0)()
+        draft_s, verify_s = clock.split()
+        self.timings["draft_s"] += draft_s
+        self.timings["verify_s"] += verify_s
+        n = len(plan.requests)
+        for r in plan.requests:  # attribute the step's time evenly to the requests that shared it
+            r.spec.draft_s += draft_s / n
+            r.spec.verify_s += verify_s / n
+        return StepResult(a, drafts=drafts)
