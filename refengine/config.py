@@ -229,9 +229,9 @@ class EngineConfig:
     # request's span (1..B) per step from measured step costs and its acceptance (greedy output unchanged)
     speculation: str = "fixed"
     # adaptive: a plain step's probes draft beside the decode instead of in a verify (spec_decode/
-    # shadow_probe.py). None: on where the draft overlaps the decode (CUDA graph modes); True also elsewhere
-    # (the CPU drafts after the decode: tests); False: probes verify, as before
-    shadow_probes: bool | None = None
+    # shadow_probe.py; on CUDA with graphs on a second stream, elsewhere after the decode). Off by default: on
+    # the H200 it was no net gain at Qwen3-4B shapes and cost 9% on the trained tiny pair at c32 (docs/PERF.md)
+    shadow_probes: bool = False
     # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
     # `refengine bench --acceptance-profile` enables them. Any value is refused.
     acceptance_profile: str | None = None

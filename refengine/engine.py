@@ -138,10 +138,7 @@ class Engine:
         )
         if self.scheduler.costs is not None:  # adaptive: its cost samples go over while graphs run
             self.runner.while_waiting = self.scheduler.costs.feed
-        if self.scheduler.policy is not None:  # where the draft overlaps the decode, unless told
-            graphed = self.target.device.type == "cuda" and config.graph_mode_name != "eager"
-            shadow = config.shadow_probes
-            self.scheduler.shadow_probes = graphed if shadow is None else shadow
+        self.scheduler.shadow_probes = config.shadow_probes and self.scheduler.policy is not None
         self._ids = itertools.count()
         self.finished: list[Request] = []
         self.last_plan: Plan | None = None  # the plan the last step ran (None: it had no work)
@@ -165,9 +162,9 @@ class Engine:
         if self.config.graph_mode_name == "eager":
             return {}
         capturer = Capturer(self.target.device)
-        # the drafter's graphs in a memory pool of their own: a shadow probe's draft replays beside the decode
-        # graph (runner/shadow_drafts.py), so their temporaries must not share addresses
-        lane_capturer = Capturer(self.target.device)
+        # with shadow probes, the drafter's graphs in a memory pool of their own: a shadow probe's draft replays
+        # beside the decode graph (runner/shadow_drafts.py), so their temporaries must not share addresses
+        lane_capturer = Capturer(self.target.device) if self.config.shadow_probes else capturer
         taps = self.proposer.capture_layers if self.proposer is not None else ()
         span = self.proposer.block_size if self.proposer is not None else None
         store = self.store.rows if self.store is not None else None

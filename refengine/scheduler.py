@@ -67,8 +67,8 @@ class Scheduler(StepCommit):
         # adaptive: requests retired from speculation -> their output length then; their span-1 steps since are
         # written into their SpecStats in one call when they leave (no per-request record a step)
         self.retired_at: dict[int, int] = {}  # (integrity.py checks it against the policy's)
-        # adaptive: a plain choice's probes draft while the step decodes (spec_decode/shadow_probe.py); the
-        # engine turns this on where the draft overlaps the decode (CUDA graphs, runner/shadow_drafts.py)
+        # adaptive: a plain choice's probes draft while the step decodes (spec_decode/shadow_probe.py), when
+        # EngineConfig.shadow_probes (beside the decode graph on CUDA: runner/shadow_drafts.py)
         self.shadow_probes = False
         self.shadows = ShadowProbes()
 

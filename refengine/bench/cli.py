@@ -54,7 +54,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument(
         "--modes",
         default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES + EXTRA_MODES)} (adaptive-noshadow: its probes verify)",
+        help=f"comma-separated subset of {','.join(MODES + EXTRA_MODES)} (adaptive-shadow: with shadow probes)",
     )
     p.add_argument(
         "--acceptance-profile",

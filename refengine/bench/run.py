@@ -214,7 +214,7 @@ def engine_for(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         speculation="adaptive" if mode.startswith("adaptive") else "fixed",
-        shadow_probes=False if mode == "adaptive-noshadow" else None,
+        shadow_probes=mode == "adaptive-shadow",
         graph_mode=graph_mode,
         num_blocks=num_blocks,
     )

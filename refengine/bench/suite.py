@@ -49,8 +49,8 @@ from refengine.kv.pool import blocks_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile, parse_profile
 
 MODES = ("plain", "dflash", "adaptive")  # the default --modes
-# on request only: adaptive with its probes verifying (EngineConfig.shadow_probes=False), to measure shadow probes
-EXTRA_MODES = ("adaptive-noshadow",)
+# on request only: adaptive with shadow probes (EngineConfig.shadow_probes=True), to measure them against adaptive
+EXTRA_MODES = ("adaptive-shadow",)
 METHOD_ISOLATED = (
     "each mode in a fresh process: loaded, settled, then each profile's cells by concurrency (adaptive: settled"
     " again under each later profile)"

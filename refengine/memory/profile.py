@@ -87,9 +87,9 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     dominate), every bucket's persistent buffers (adaptive mode: also its decode graph without taps), and one
     FlashInfer int workspace per graph-mode wrapper.
     The drafter graph's temporaries are the lane's batch scratch, and its catch-up graphs' (buffers and
-    temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation (they
-    have a pool of their own, and a second float workspace, counted here: a shadow probe's draft replays
-    beside the decode graph)."""
+    temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation (with
+    shadow probes they have a pool of their own, and a second float workspace, counted here: a shadow
+    probe's draft replays beside the decode graph)."""
     from refengine.runner.graphs import batch_buckets, row_caps
 
     c, b = target.cfg, target.dtype.itemsize
@@ -101,7 +101,7 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     twin = int(draft_cfg is not None and config.speculation == "adaptive")  # the decode graph without taps
     rows = sum(buckets) * (1 + twin + verify_rows)  # decode (+ its twin) + verify shapes
     wrappers = len(buckets) * (1 + twin + 2 * (draft_cfg is not None))  # decode(s), verify (shared by caps), draft
-    workspaces = 1 + (draft_cfg is not None)  # the drafter's wrappers have a float workspace of their own
+    workspaces = 1 + (draft_cfg is not None and config.shadow_probes)  # shadow probes: the drafter's own
     static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + workspaces * FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model

@@ -1,6 +1,6 @@
-"""Recording CUDA graphs: a private capture stream and memory pool per Capturer (an engine has two: the
-target's graphs, and the drafter's, which may replay beside them), and a CPU fake that just calls the function
-again on replay, so the graph logic runs in CPU tests."""
+"""Recording CUDA graphs: a private capture stream and memory pool per Capturer (an engine has one; with
+shadow probes two: the target's graphs, and the drafter's, which then replay beside them), and a CPU fake that
+just calls the function again on replay, so the graph logic runs in CPU tests."""
 
 from __future__ import annotations
 

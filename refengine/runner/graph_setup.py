@@ -101,7 +101,8 @@ def build_draft_graph(
     )
     return GraphRunner(
         stack,
-        _attention_factory(config, pool, m, workspace="draft"),  # (it may run beside the target's graphs)
+        # with shadow probes it may run beside the target's graphs: a float workspace of its own
+        _attention_factory(config, pool, m, workspace="draft" if config.shadow_probes else "target"),
         mode=config.graph_mode_name,
         span=drafter.cfg.block_size,
         max_batch=config.max_num_seqs,

@@ -2,8 +2,9 @@
 
 On CUDA the drafts go on a second stream once the decode graph is queued, so the draft graph (and a
 prompt's catch-up before it) overlaps the decode on the device, and its host work (layout, attention plan,
-launch) overlaps the decode too: the host would only wait for it. Two graphs can replay at once because the
-drafter's graphs have their own memory pool and FlashInfer float workspace (engine.py, graph_attention.py).
+launch) overlaps the decode too: the host would only wait for it. Two graphs can replay at once because with
+shadow probes on the drafter's graphs have their own memory pool and FlashInfer float workspace (engine.py,
+graph_setup.py).
 The drafts come back through pinned memory after the decode's results; the main stream then waits for the
 side one, so the next step's work on the lane's buffers queues behind the draft. Elsewhere (the CPU, a
 replaced `propose`, no draft graph fitting) the proposer drafts after the decode, one after the other.

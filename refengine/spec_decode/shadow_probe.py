@@ -19,6 +19,12 @@ the decode graph does.
 
 Under an acceptance profile (refengine bench only) outputs are not greedy-exact, so m is drawn from the
 profile for the shadow's span as a verify's would be, and reported at once.
+
+Opt-in (EngineConfig.shadow_probes): measured on the H200 in the same runs against verifying probes (run
+87, docs/PERF.md), the shadow step cost 4.9 ms against the verify's 6.1 (a 4.1 ms decode step) at c1 on
+Qwen3-4B shapes, but whole runs at tau 1 / 1.3 came out -1.7% to +1.5% (c1 worse, c8-c32 at tau 1 better),
+and on the trained tiny pair c1 rose from 1.97 to 2.77x plain while c32 fell from 0.94 to 0.85x: the
+acceptance the shadows found made adaptive speculate where fixed DFlash loses.
 """
 
 from __future__ import annotations

@@ -345,10 +345,10 @@ def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys,
     assert rc == 2 and "add plain to --modes" in err, err[-500:]
 
 
-def test_bench_adaptive_noshadow_mode_runs_adaptive_with_verifying_probes(capsys, monkeypatch):
-    """`--modes adaptive-noshadow` (on request only, not in the default modes): adaptive speculation whose
-    probes verify (EngineConfig.shadow_probes=False), to measure shadow probes against it in one run; unknown
-    modes are refused with the list."""
+def test_bench_adaptive_shadow_mode_runs_adaptive_with_shadow_probes(capsys, monkeypatch):
+    """`--modes adaptive-shadow` (on request only, not in the default modes): adaptive speculation with shadow
+    probes (EngineConfig.shadow_probes=True), to measure them against adaptive in one run; unknown modes are
+    refused with the list."""
     from refengine.bench import suite
 
     made, make = [], suite.engine_for
@@ -359,10 +359,10 @@ def test_bench_adaptive_noshadow_mode_runs_adaptive_with_verifying_probes(capsys
         return e
 
     monkeypatch.setattr(suite, "engine_for", build)
-    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "4", "--no-isolate", "--modes", "plain,adaptive-noshadow")
+    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "4", "--no-isolate", "--modes", "plain,adaptive-shadow")
     assert rc == 0, err
-    assert ("adaptive-noshadow", "adaptive", False) in made, made
-    assert {r["mode"] for r in res["rows"]} == {"plain", "adaptive-noshadow"}
-    assert "adaptive-noshadow" not in suite.MODES
+    assert ("adaptive-shadow", "adaptive", True) in made, made
+    assert {r["mode"] for r in res["rows"]} == {"plain", "adaptive-shadow"}
+    assert "adaptive-shadow" not in suite.MODES
     rc, _, err = _bench(capsys, *RANDOM, "--modes", "plain,adaptive-bogus")
-    assert rc == 2 and "adaptive-noshadow" in err, err[-300:]
+    assert rc == 2 and "adaptive-shadow" in err, err[-300:]
