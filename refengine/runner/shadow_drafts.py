@@ -27,7 +27,9 @@ class ShadowDrafts:
 
     def begin(self) -> None:
         """Before the decode step is queued: the side stream starts after what the main stream holds now
-        (the previous steps' writes), not after the decode."""
+        (the previous steps' writes), not after the decode. Nothing of an earlier step that failed between
+        its launch and its read is left to be read as this step's."""
+        self._pending = None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
 
