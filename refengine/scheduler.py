@@ -250,8 +250,9 @@ class Scheduler(StepCommit):
             DraftItem(spec[i].request_id, spec[i].output_ids[-1], spec[i].committed_len, spans[i]) for i in probed
         )
         assert self.policy is not None
-        self.policy.shadows_launched([it.req_id for it in items])
-        return self._decode(spec, capture=True, uncaptured=uncaptured, shadow=items)
+        plan = self._decode(spec, capture=True, uncaptured=uncaptured, shadow=items)
+        self.policy.shadows_launched([it.req_id for it in items])  # (once the plan exists: a rollback clears it)
+        return plan
 
     def _decode(
         self,

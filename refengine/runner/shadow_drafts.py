@@ -5,8 +5,9 @@ prompt's catch-up before it) overlaps the decode on the device, and its host wor
 launch) overlaps the decode too: the host would only wait for it. Two graphs can replay at once because with
 shadow probes on the drafter's graphs have their own memory pool and FlashInfer float workspace (engine.py,
 graph_setup.py).
-The drafts come back through pinned memory after the decode's results; the main stream then waits for the
-side one, so the next step's work on the lane's buffers queues behind the draft. Elsewhere (the CPU, a
+The drafts come back through pinned memory after the decode's results. Once the draft is queued the main
+stream waits for the side one (the decode graph is already ahead of that wait), so everything queued after
+it, the next step's work on the lane's buffers included, runs behind the draft. Elsewhere (the CPU, a
 replaced `propose`, no draft graph fitting) the proposer drafts after the decode, one after the other.
 
 Catch-up and draft times measured beside a decode are not a draft's own: they are dropped, not learnt.
@@ -28,7 +29,9 @@ class ShadowDrafts:
     def begin(self) -> None:
         """Before the decode step is queued: the side stream starts after what the main stream holds now
         (the previous steps' writes), not after the decode. Nothing of an earlier step that failed between
-        its launch and its read is left to be read as this step's."""
+        its launch and its read is left to be read as this step's, nor running still."""
+        if self._pending is not None and self.stream is not None:
+            self.stream.synchronize()
         self._pending = None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
@@ -48,6 +51,9 @@ class ShadowDrafts:
             host.copy_(launched.tokens[:n], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+        # what the main stream queues from here (the decode's result copy, the next step) waits for the draft:
+        # the lane's buffers are never rewritten under it, even if this step fails before `read`
+        torch.cuda.current_stream().wait_stream(self.stream)
         self._pending = (host, done, launched)
 
     def read(self, proposer: Proposer, items: list[DraftItem]) -> list[list[int]]:
