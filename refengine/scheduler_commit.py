@@ -108,10 +108,8 @@ class StepCommit(StepRecovery):
         for req in plan.requests:
             if req.request_id in self.shadows.open:
                 got = self.shadows.settle(req.request_id, req.output_ids, req.finished)
-                if got is not None:
+                if got is not None:  # (a finished request's unanswered shadow: in flight until _drop releases it)
                     self.policy.observe_shadow(req.request_id, *got)
-                elif req.finished:
-                    self.policy.in_flight.discard(req.request_id)
 
     def _stretch_of(self, plan: Plan) -> PlainStretch | None:
         """The open plain stretch when `plan` is one of its steps."""

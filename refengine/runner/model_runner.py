@@ -4,6 +4,7 @@ proposer is told which rows of speculating requests it may use once the schedule
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -270,7 +271,7 @@ class ModelRunner(VerifyStep):
         beside = None
         if shadow and proposer is not None:
             self.shadow.begin()
-            beside = lambda: self.shadow.launch(proposer, list(shadow))  # noqa: E731
+            beside = functools.partial(self.shadow.launch, proposer, list(shadow))
         # a step that captures nothing runs the decode graph without taps when the engine has one
         kind = "decode" if plan.capture or "decode_plain" not in self.graphs else "decode_plain"
         graphed = (

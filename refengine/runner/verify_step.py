@@ -9,14 +9,11 @@ from collections.abc import Callable
 
 from refengine.kv.pool import KvPool
 from refengine.models.qwen3 import Qwen3Model
-from refengine.models.segmented import StepState
 from refengine.plan import Plan, StepResult, VerifyPlan
 from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.runner.graphs import StepRow
 from refengine.runner.logits import TopK
 from refengine.spec_decode.proposer import DraftItem, Proposer
-
-Span = tuple[int, int, int]  # (req_id, start, q_len), as model_runner's
 
 
 class VerifyStep:
@@ -26,31 +23,10 @@ class VerifyStep:
     proposer: Proposer | None
     timings: dict[str, float]
 
-    def _replay(
-        self,
-        kind: str,
-        steps: list[StepRow],
-        capture: bool,
-        whole_step: bool = False,
-        uncaptured: frozenset[int] = frozenset(),
-        fill: Callable[[StepState], None] | None = None,
-        beside: Callable[[], None] | None = None,
-    ) -> list[list[int]] | None:
-        raise NotImplementedError
-
-    def _run(
-        self,
-        tokens: list[list[int]],
-        spans: list[Span],
-        capture: list[bool],
-        score_rows: list[range],
-        topk_k: list[int],
-        whole_step: bool = False,
-    ) -> tuple[list[list[int]], list[list[TopK]]]:
-        raise NotImplementedError
-
-    def _sync(self) -> None:
-        raise NotImplementedError
+    # ModelRunner's methods (their signatures there)
+    _replay: Callable[..., list[list[int]] | None]
+    _run: Callable[..., tuple[list[list[int]], list[list[TopK]]]]
+    _sync: Callable[[], None]
 
     def _verify(self, plan: Plan) -> StepResult:
         assert isinstance(plan, VerifyPlan) and self.proposer is not None

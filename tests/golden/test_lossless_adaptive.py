@@ -116,9 +116,10 @@ def _seed_plain_regime(policy, n: int = 40) -> None:
     policy._spec_at = -RETIRE_AFTER
 
 
-def _adaptive_at_tau1(model_pair, graph_mode: str, max_num_seqs: int):
+def _adaptive_at_tau1(model_pair, graph_mode: str, max_num_seqs: int, **kw):
     """An adaptive CPU engine of the pair whose verifies accept nothing (the bench's tau1.0 profile: each commits
-    exactly the target's greedy token, so outputs must equal plain decoding), and its policy."""
+    exactly the target's greedy token, so outputs must equal plain decoding), and its policy. `kw`: more
+    EngineConfig fields."""
     from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
@@ -130,6 +131,7 @@ def _adaptive_at_tau1(model_pair, graph_mode: str, max_num_seqs: int):
         speculation="adaptive",
         graph_mode=graph_mode,
         max_num_seqs=max_num_seqs,
+        **kw,
     )
     engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
     assert engine.scheduler.policy is not None

@@ -17,7 +17,7 @@ import pytest
 from refengine import SamplingParams
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.golden.test_lossless import B, _check_clean, _prompts
-from tests.golden.test_lossless_adaptive import _seed_plain_regime
+from tests.golden.test_lossless_adaptive import _adaptive_at_tau1, _seed_plain_regime
 
 
 def _shadow_engine(pair, graph_mode: str, max_num_seqs: int, make=cpu_engine, **kw):
@@ -182,22 +182,9 @@ def test_a_failed_shadow_step_is_rolled_back_and_probed_again(random_pair):
 def test_shadow_probes_under_an_acceptance_profile_draw_for_their_span(random_pair):
     """Under the bench's profiles (outputs not greedy-exact: nothing to compare) a shadow's answer is drawn for
     its span at once, as a verify's m would be; tau1.0 draws 0, and outputs equal plain decoding."""
-    from refengine.config import EngineConfig
-    from refengine.engine import Engine
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-
     prompts = _prompts(random_pair, 3, seed=15)
     plain = greedy(cpu_engine(random_pair.target), prompts, [30] * 3, True)
-    config = EngineConfig(
-        str(random_pair.target),
-        draft_path=str(random_pair.draft),
-        device="cpu",
-        speculation="adaptive",
-        shadow_probes=True,
-        max_num_seqs=3,
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
+    engine, policy = _adaptive_at_tau1(random_pair, "eager", 3, shadow_probes=True)
     _seed_plain_regime(policy)
     policy._next_explore = 10**9
     answers, _ = _logged(engine, policy)
