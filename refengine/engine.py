@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from refengine.attention import make_backend
-from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json, read_stop_ids
+from refengine.config import (
+    DFlashConfig,
+    EngineConfig,
+    ModelConfig,
+    max_context_tokens,
+    read_config_json,
+    read_stop_ids,
+)
 from refengine.errors import InvalidRequestError, StepError, TensorParallelError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.planner import KvBudgetPlan
@@ -46,6 +53,22 @@ class ScoredSequence:
     topk: list[TopK]
 
 
+def _check_shared_target(target: Qwen3Model, config: EngineConfig, dtype: torch.dtype) -> None:
+    """A target handed to Engine must be what config would load: same geometry, device and dtype, unsharded."""
+    want = ModelConfig.from_hf(read_config_json(config.target_path))
+    got_device, got_dtype = target.embed_tokens.device, target.embed_tokens.dtype
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current device: cuda:0 by default
+        device = torch.device("cuda", torch.cuda.current_device())
+    if config.tensor_parallel_size > 1 or target.tp_size > 1:
+        raise UnsupportedConfigError("a shared target cannot be tensor-parallel (each engine shards its own)")
+    if target.cfg != want or got_dtype != dtype or got_device != device:
+        raise UnsupportedConfigError(
+            f"the shared target ({got_device}, {got_dtype}, {target.cfg}) is not the model config loads "
+            f"({config.device}, {dtype}, {want})"
+        )
+
+
 class Engine:
     def __init__(
         self,
@@ -53,10 +76,14 @@ class Engine:
         *,
         proposer: Proposer | None = None,
         acceptance_override: AcceptanceOverride | None = None,
+        target: Qwen3Model | None = None,
     ):
         """`proposer` replaces the DFlash lane (the test proposers use it); by default a drafter given in
         `config.draft_path` is loaded and speculates when `config.speculative`. `acceptance_override` is
-        benchmark-only: `refengine bench --acceptance-profile` passes it (outputs stop being greedy-exact)."""
+        benchmark-only: `refengine bench --acceptance-profile` passes it (outputs stop being greedy-exact).
+        `target`: another engine's loaded target (config.target_path's model, on config's device and dtype) to
+        read instead of loading a copy: engines stepping one at a time may share it, as the paired bench's do
+        (its weights are only read; one copy means one placement in memory, refengine/bench/paired.py)."""
         if acceptance_override is not None and not isinstance(acceptance_override, AcceptanceOverride):
             raise UnsupportedConfigError("acceptance_override must be an AcceptanceOverride (refengine bench)")
         self.config = config
@@ -64,9 +91,13 @@ class Engine:
         dtype = getattr(torch, config.torch_dtype_name)
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise UnsupportedConfigError(f"device={config.device!r} but torch sees no CUDA device")
-        self.target = Qwen3Model.load(
-            config.target_path, dtype=dtype, device=config.device, synthetic=config.synthetic_weights
-        )
+        if target is None:
+            target = Qwen3Model.load(
+                config.target_path, dtype=dtype, device=config.device, synthetic=config.synthetic_weights
+            )
+        else:
+            _check_shared_target(target, config, dtype)
+        self.target = target
         if config.tensor_parallel_size > 1:
             # rank 0's shard; from here on target.cfg is the per-rank geometry (heads, KV heads, MLP width), so
             # the KV pool, its planner (per-rank KV bytes) and the attention backend are this rank's

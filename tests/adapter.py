@@ -21,7 +21,7 @@ def cpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
     )
 
 
-def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
+def gpu_engine(target, draft=None, proposer=None, shared_target=None, **kw) -> Engine:
     """bf16 on CUDA with the FlashInfer backend. The tiny pairs get a fixed pool of 8192 blocks (131k tokens,
     plenty) instead of one planned to fill the device: the checks after every step stay cheap. The memory
     tests build their engines themselves to exercise the planner."""
@@ -38,6 +38,7 @@ def gpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
             **kw,
         ),
         proposer=proposer,
+        target=shared_target,
     )
 
 

@@ -88,6 +88,11 @@ def add_bench_parser(sub) -> None:
         help="every mode against plain in one process, run by run, with a second plain engine as the control "
         "(refengine/bench/paired.py; the resolution for ratios near 1)",
     )
+    p.add_argument(
+        "--own-weights",
+        action="store_true",
+        help="--paired: each engine loads its own copy of the target's weights (default: one copy, shared)",
+    )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
     p.add_argument(
@@ -154,6 +159,7 @@ def _cmd(args) -> int:
         isolate=args.isolate,
         processes=args.processes,
         paired=args.paired,
+        share_weights=not args.own_weights,
     )
     print_table(
         res["rows"],

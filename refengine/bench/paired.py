@@ -12,6 +12,12 @@ their turn in the rotation), so a mode whose ratio to plain lies within the cont
 distinguishable from plain here. The price: engines side by side run a little slower than one alone (the
 sixth session's finding), equally for all of them as far as the control shows.
 
+The engines read one copy of the target's weights (`--own-weights`: one each, as before 2026-12-03): the
+process then holds one 8 GB copy at Qwen3-4B shapes instead of one per engine. It does not narrow the spread
+between engines: five plain engines of one process, three of them on one copy, ran their c1 decode steps at
+4.04-4.18 ms (medians of 10 rounds; the three sharing 4.04-4.11), so what sets two engines apart is not where
+their weights sit (docs/PERF.md, nineteenth session).
+
 Plain and the control run in every profile's rounds (the pairs need them); their rows gather all of those.
 Adaptive settles again under each profile after the first, as in the default method.
 """
@@ -44,8 +50,11 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
     mode_of = {name: "plain" if name == "control" else name for name in names}  # the control is a plain engine
     engines: dict[str, Any] = {}
     out: dict[str, Any] = {"graph_captures": {}}
+    shared = None  # the first engine's target, read by the others (j.share_weights: see the module docstring)
     for name in names:
-        engines[name], facts = load_engine(mode_of[name], j, cells[0])
+        engines[name], facts = load_engine(mode_of[name], j, cells[0], shared)
+        if j.share_weights and shared is None:
+            shared = engines[name].target
         out["graph_captures"][name] = facts.pop("graph_capture")
         out.update(facts)
     floor, vocab, own_bytes = out["floor"], out["vocab"], job_own_bytes(out)

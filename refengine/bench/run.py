@@ -202,6 +202,7 @@ def engine_for(
     override: AcceptanceOverride | None,
     graph_mode: str | None = None,
     num_blocks: int | None = None,
+    shared_target=None,
 ):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
@@ -218,7 +219,7 @@ def engine_for(
         graph_mode=graph_mode,
         num_blocks=num_blocks,
     )
-    return Engine(cfg, acceptance_override=override if mode != "plain" else None)
+    return Engine(cfg, acceptance_override=override if mode != "plain" else None, target=shared_target)
 
 
 def set_override(engine, override: AcceptanceOverride | None) -> None:

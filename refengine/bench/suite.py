@@ -85,13 +85,15 @@ def bench(
     isolate: bool | None = None,
     processes: int = 1,
     paired: bool = False,
+    share_weights: bool = True,
 ) -> dict[str, Any]:
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
     are over every process's runs, with the per-process medians listed (`process_tok_per_s`): the same
     engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md, seventh session). `paired`: every
     mode in one process with plain and a second plain engine, run by run (refengine/bench/paired.py); with
-    `isolate` that process is a fresh one, `processes` of them."""
+    `isolate` that process is a fresh one, `processes` of them; `share_weights` (paired): its engines read one
+    copy of the target's weights."""
     from tqdm import tqdm
 
     isolate = device.startswith("cuda") if isolate is None else isolate
@@ -143,6 +145,7 @@ def bench(
         graph_mode=graph_mode,
         settle_s=settle,
         bandwidth=bandwidth,
+        share_weights=share_weights,
     )
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
@@ -166,6 +169,8 @@ def bench(
             floor, vocab = out.pop("floor"), out.pop("vocab")
             results.update(out)
     results["method"] = METHOD_PAIRED if paired else (METHOD_ISOLATED if isolate else METHOD_IN_PROCESS)
+    if paired:
+        results["weights"] = "shared" if share_weights else "one copy per engine"
     results["processes"] = processes
     results["rows"] = [_row(per_process) for per_process in runs.values()]
     if peer:
@@ -208,6 +213,7 @@ class ModeJob:
     graph_mode: str | None
     settle_s: float
     bandwidth: float  # measured copy bandwidth, bytes/s: the floors
+    share_weights: bool = True  # paired: the engines of a process read one copy of the target's weights
 
 
 def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
@@ -264,9 +270,12 @@ def job_profiles(j: ModeJob) -> list[AcceptanceProfile | None]:
     return [parse_profile(p) for p in j.profiles] or [None]
 
 
-def load_engine(mode: str, j: ModeJob, first: AcceptanceProfile | None) -> tuple[Any, dict[str, Any]]:
+def load_engine(
+    mode: str, j: ModeJob, first: AcceptanceProfile | None, shared_target: Any = None
+) -> tuple[Any, dict[str, Any]]:
     """A mode's engine with every graph shape captured (no timed step pays a capture), under the profile
-    `first`; and what the JSON records about it (graph_capture, floor, vocab, weight bytes, graph_mode)."""
+    `first`; and what the JSON records about it (graph_capture, floor, vocab, weight bytes, graph_mode).
+    `shared_target`: another engine's loaded target, read instead of a copy of its own (paired.py)."""
     e = engine_for(
         mode,
         j.target,
@@ -278,6 +287,7 @@ def load_engine(mode: str, j: ModeJob, first: AcceptanceProfile | None) -> tuple
         override=AcceptanceOverride(first, j.seed) if first is not None and mode != "plain" else None,
         graph_mode=j.graph_mode,
         num_blocks=j.blocks,
+        shared_target=shared_target,
     )
     t = time.perf_counter()
     shapes = e.capture_graphs()

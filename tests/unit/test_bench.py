@@ -304,17 +304,20 @@ def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys,
     import refengine.bench.paired as paired
 
     seen: list[tuple[str, str, int, float]] = []
+    targets: set[int] = set()  # the engines' targets: one shared copy of the weights (--own-weights: one each)
     measure = paired.measure_row
 
     def spy(engine, mode, label, batch, *rest):
         row = measure(engine, mode, label, batch, *rest)
         seen.append((mode, label, len(batch), row["tok_per_s"]))
+        targets.add(id(engine.target))
         return row
 
     monkeypatch.setattr(paired, "measure_row", spy)
     argv = [*RANDOM, "--paired", "--modes", "plain,adaptive", "--acceptance-profile", "tau1,tau3"]
     rc, res, err = _bench(capsys, *argv, "--output-tokens", "4", "--repeats", "3")
     assert rc == 0 and res is not None and res["method"] == paired.METHOD_PAIRED, err[-2000:]
+    assert res["weights"] == "shared" and len(targets) == 1, (res.get("weights"), len(targets))
     names = [("plain", "-"), ("plain", paired.CONTROL)]
     rounds = [seen[i : i + 3] for i in range(0, len(seen), 3)]
     assert len(rounds) == 2 * 2 * 3, f"{len(rounds)} rounds: 2 profiles x 2 concurrencies x 3 repeats"
@@ -341,6 +344,10 @@ def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys,
             lo, hi = row["paired_x_plain_iqr"]
             assert lo <= row["paired_x_plain"] <= hi, row
     assert "x plain paired (IQR)" in err and res["graph_captures"].keys() == {"plain", "control", "adaptive"}
+    targets.clear()
+    argv = [*RANDOM, "--paired", "--own-weights", "--modes", "plain,dflash", "--output-tokens", "2", "--repeats", "1"]
+    rc, res, err = _bench(capsys, *argv)
+    assert rc == 0 and res is not None and res["weights"] == "one copy per engine" and len(targets) == 3, err[-500:]
     rc, _, err = _bench(capsys, *RANDOM, "--paired", "--modes", "adaptive", "--output-tokens", "2")
     assert rc == 2 and "add plain to --modes" in err, err[-500:]
 
