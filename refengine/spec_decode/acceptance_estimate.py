@@ -106,6 +106,18 @@ class AcceptanceEstimates:
         w = FIRST_BLOCK_WEIGHT
         return [(s + w * h) / (t + w) for s, t, h in zip(self.later_accepted, self.later_tested, first)]
 
+    def unlikely_count(self, first: bool, odds: float) -> int:
+        """The fewest accepted drafts that blocks of the kind (`first`: first blocks, else later ones) reach in
+        under `odds` of cases, P(m >= k) = prod of the rates of positions 1..k; past the block (never reached
+        so rarely): block_size."""
+        rates = self.first_block_rates() if first else self.population_rates()
+        survival = 1.0
+        for k, h in enumerate(rates, start=1):
+            survival *= h
+            if survival < odds:
+                return k
+        return self.block_size
+
     def failing_span(self, later: bool = False) -> int:
         """The span that tests positions 1..k of a first (`later`: a later) block, k the first position known
         to fail: accepting at under SHORT_PROBE_RATE on SHORT_PROBE_EVIDENCE tests (decayed). A block rejected

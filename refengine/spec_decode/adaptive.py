@@ -68,6 +68,7 @@ class AdaptivePolicy(Retirement):
     reprobe_every: int = REPROBE_EVERY  # small batches' re-probe period, in decisions (0: no re-probes)
     reprobed: set[int] = field(default_factory=set)  # live requests re-probed at least once
     probed: list[int] = field(default_factory=list)  # the last choice's probes: indices widened past its spans
+    batch: int = 0  # requests of the last choice (its blocks' surprise depends on it: Retirement._surprising)
     in_flight: set[int] = field(default_factory=set)  # requests whose shadow probe awaits its answer
     shadows: int = 0  # probes drafted as shadows (refengine/spec_decode/shadow_probe.py)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
@@ -121,6 +122,7 @@ class AdaptivePolicy(Retirement):
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
         catch-up observe_step may see)."""
         self.probed = []
+        self.batch = len(req_ids)
         spans = self._choose(req_ids, remaining)
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
@@ -273,7 +275,7 @@ class AdaptivePolicy(Retirement):
         # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
-        surprising = accepted >= self._surprise()  # past what the workload accepts: no plain regime yet
+        surprising = self._surprising(accepted, first)  # past what the workload accepts: no plain regime yet
         if first:
             self.sample.observe_first_block(surprising)
         if surprising:
