@@ -4,7 +4,8 @@ of its kind reach in under SURPRISE_ODDS of cases (AcceptanceEstimates.unlikely_
 accepts some of the time (the trained tiny pair) can still settle into a plain regime where plain wins; in small
 batches, or where a position is known to fail, any block past the failing position (or accepting anything) is.
 With it, in simulation: stationary poor workloads lose less to plain, and a workload turning good is still
-found within a wave.
+found within a wave. And in such a batch's plain regime a request done being probed retires whatever its own
+blocks (no decision found its drafting worth a step).
 
 Run: python -m pytest tests/unit/test_surprise.py -q
 """
@@ -17,6 +18,7 @@ from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.adaptive import RETIRE_AFTER, AdaptivePolicy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.retirement import SURPRISE_ODDS
+from refengine.spec_decode.span_choice import plain_wins_uniformly, uniform_spec_costs
 from refengine.spec_decode.step_costs import CostModel
 from tests.unit.test_adaptive import _simulate_phases
 
@@ -94,3 +96,27 @@ def test_turns_are_still_found_and_stationary_poor_workloads_keep_near_plain():
                 f"c{c} phase {i}: adaptive {got['adaptive'][i]:.0f}, plain {got['plain'][i]:.0f}, "
                 f"fixed {got['fixed'][i]:.0f} tok/s ({got['adaptive'][i] / best:.3f} of the better)"
             )
+
+
+def test_a_large_batch_in_a_plain_regime_retires_its_probed_requests_whatever_their_own_blocks():
+    # at c32 no decision speculates, so a request whose own estimate is good (alone, a batch like it would
+    # speculate) still retires once its probes are done: one request still capturing keeps the whole batch on
+    # the decode graph with taps (H200, the trained tiny pair at c32, run 92: 12 of 198 probed requests)
+    pol, rid = _geometric_workload(0.2)
+    batch = list(range(rid, rid + 32))
+    pol._spec_at = pol.steps - RETIRE_AFTER  # a plain regime already
+    spans = pol.choose(batch, [500] * 32)
+    probed = [r for r, s in zip(batch, spans) if s > 1]
+    assert probed and len(probed) < 32, f"spans {spans}"
+    for r in probed:
+        pol.observe_acceptance(r, B, 0)
+    good = probed[0]
+    own = pol.estimates.requests[good]  # its own evidence says it accepts nearly everything (set directly:
+    for k in range(B - 1):  # as blocks, these would be surprises and end the regime)
+        own[0][k], own[1][k] = 40.0, 40.0
+    pol._version += 1
+    table = pol.estimates.tables([good])[0]
+    plain_s, costs = pol.cost.plain_s(32), uniform_spec_costs(32, B, pol.cost, pol.rows)
+    assert not plain_wins_uniformly(table, 32, plain_s, costs), "its own estimate alone would speculate"
+    assert pol.choose(batch, [499] * 32) == [1] * 32
+    assert pol.retired == set(batch), f"{32 - len(pol.retired)} of 32 not retired"
