@@ -41,11 +41,12 @@ class Retirement(Exploration):
         (_plain_regime): a request that drafted, its blocks in line with the workload (not probing), whose own
         uniform batch would lose to plain too (plain_wins_uniformly; while position 1 fails it does); a request
         passed over by the probe sample, on fresh evidence (and in a plain regime, its table losing too).
-        In a plain regime in a batch of PROBE_SAMPLE or more, a request that drafted retires once it is not
-        being probed, whatever its own table: the regime means no decision for RETIRE_AFTER decisions found a
-        step where it, or anyone, drafting wins, and a batch with one request still capturing runs the decode
-        graph with taps for all. With its own table's test, the trained tiny pair at c32 on the H200 (run 92)
-        kept 12 probed requests of 198 from retiring, whose waves then wrote taps every step."""
+        In a plain regime in a batch of PROBE_SAMPLE or more, a request that drafted retires whatever its own
+        table, and also while follow-up probes would still be due (_probing: at c32 the budget seldom affords
+        one, and the request then waited for good): the regime means no decision for RETIRE_AFTER decisions
+        found a step where it, or anyone, drafting wins, and a batch with one request still capturing runs the
+        decode graph with taps for all. With either test the trained tiny pair at c32 on the H200 kept 10-12
+        probed requests of 198 from retiring, and 121-124 of a wave's 127 steps wrote taps (runs 92, 93)."""
         d, out = self.last, self.sample
         if d is None or self._tables is None:
             return
@@ -54,14 +55,14 @@ class Retirement(Exploration):
         if costs is None:
             return
         n, tables = len(req_ids), self._tables[1]
-        # a large batch in a plain regime: a request done being probed retires whatever its own table, as no
-        # decision in RETIRE_AFTER found a step where it drafts worth it (see the docstring)
+        # a large batch in a plain regime: a request that drafted retires whatever its own table and probes, as
+        # no decision in RETIRE_AFTER found a step where it drafts worth it (see the docstring)
         wave = n >= PROBE_SAMPLE and not fails
         for i, (r, s) in enumerate(zip(req_ids, spans)):
             if s != 1 or r in out.retired or d.spans[i] != 1 or r in self.in_flight:
                 continue  # drafting now (or its shadow probe is), retired already, or a plain exploration
             if r in self.drafted:
-                if self._probing(r) or not (wave or plain_wins_uniformly(tables[i], n, *costs)):
+                if not wave and (self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs)):
                     continue
                 if not fails and self._awaits_reprobe(r, n):
                     continue

@@ -100,17 +100,20 @@ def test_turns_are_still_found_and_stationary_poor_workloads_keep_near_plain():
 
 def test_a_large_batch_in_a_plain_regime_retires_its_probed_requests_whatever_their_own_blocks():
     # at c32 no decision speculates, so a request whose own estimate is good (alone, a batch like it would
-    # speculate) still retires once its probes are done: one request still capturing keeps the whole batch on
-    # the decode graph with taps (H200, the trained tiny pair at c32, run 92: 12 of 198 probed requests)
+    # speculate), with follow-up probes due that the budget does not afford, still retires: one request still
+    # capturing keeps the whole batch on the decode graph with taps (H200, the trained tiny pair at c32, runs
+    # 92 and 93: 10-12 of 198 probed requests)
     pol, rid = _geometric_workload(0.2)
     batch = list(range(rid, rid + 32))
     pol._spec_at = pol.steps - RETIRE_AFTER  # a plain regime already
     spans = pol.choose(batch, [500] * 32)
     probed = [r for r, s in zip(batch, spans) if s > 1]
     assert probed and len(probed) < 32, f"spans {spans}"
-    for r in probed:
-        pol.observe_acceptance(r, B, 0)
+    for r in probed:  # the first accepts something: follow-ups would be due (_probing), the budget affords none
+        pol.observe_acceptance(r, B, 1 if r == probed[0] else 0)
+    pol.regret_s = 1e9
     good = probed[0]
+    assert pol._probing(good)
     own = pol.estimates.requests[good]  # its own evidence says it accepts nearly everything (set directly:
     for k in range(B - 1):  # as blocks, these would be surprises and end the regime)
         own[0][k], own[1][k] = 40.0, 40.0
