@@ -20,7 +20,8 @@ the decision leaves at span 1 is retired once the evidence is its own or fresh: 
 line with the workload (accepted nothing, where position 1 fails) and it is not being probed on, or it was
 passed over by the sample and a first block observed since then was in line too, none surprising (a request
 passed over with none probed beside it, as at c1: the latest first block); in a plain regime its own
-uniform batch must lose to plain as well, and in a batch small enough to re-probe a re-probe of its own must
+uniform batch must lose to plain as well (not in a batch of PROBE_SAMPLE or more, where the regime itself says
+no step found its drafting worth it), and in a batch small enough to re-probe a re-probe of its own must
 have been in line too (refengine/spec_decode/retirement.py). A retired request never drafts again: its steps
 need no tap features, the scheduler frees its drafter context, and it rides along at span 1 in any plan; a batch of
 retired requests runs plain decode's own step (the decode graph without taps: writing them cost 0.4-1.3% of
