@@ -202,7 +202,7 @@ def engine_for(
     override: AcceptanceOverride | None,
     graph_mode: str | None = None,
     num_blocks: int | None = None,
-    shared_target=None,
+    shared_target: Any = None,
 ):
     from refengine.config import EngineConfig
     from refengine.engine import Engine

@@ -68,7 +68,6 @@ class AdaptivePolicy(Retirement):
     reprobe_every: int = REPROBE_EVERY  # small batches' re-probe period, in decisions (0: no re-probes)
     reprobed: set[int] = field(default_factory=set)  # live requests re-probed at least once
     probed: list[int] = field(default_factory=list)  # the last choice's probes: indices widened past its spans
-    batch: int = 0  # requests of the last choice (its blocks' surprise depends on it: Retirement._surprising)
     in_flight: set[int] = field(default_factory=set)  # requests whose shadow probe awaits its answer
     shadows: int = 0  # probes drafted as shadows (refengine/spec_decode/shadow_probe.py)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
@@ -83,7 +82,7 @@ class AdaptivePolicy(Retirement):
     _decisions_before: int = 0
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
-    _surprise_at: tuple[int, int] = (-1, 1)  # (steps, _surprise() then)
+    _surprise_at: tuple[int, int, tuple[int, int] | None] = (-1, 1, None)  # (steps, _surprise(), rare counts) then
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
@@ -122,7 +121,6 @@ class AdaptivePolicy(Retirement):
         """Each request's span this step (1: plain decode for it); notes what the drafting ones carry (the
         catch-up observe_step may see)."""
         self.probed = []
-        self.batch = len(req_ids)
         spans = self._choose(req_ids, remaining)
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)

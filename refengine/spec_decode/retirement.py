@@ -34,8 +34,7 @@ class Retirement(Exploration):
     last: Decision | None
     _tables: tuple[tuple, list[Table]] | None
     _spec_at: int
-    batch: int
-    _surprise_at: tuple[int, int]
+    _surprise_at: tuple[int, int, tuple[int, int] | None]
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
@@ -60,12 +59,12 @@ class Retirement(Exploration):
         n, tables = len(req_ids), self._tables[1]
         # a large batch in a plain regime: a request that drafted retires whatever its own table and probes, as
         # no decision in RETIRE_AFTER found a step where it drafts worth it (see the docstring)
-        wave = n >= PROBE_SAMPLE and not fails
+        large = n >= PROBE_SAMPLE and not fails
         for i, (r, s) in enumerate(zip(req_ids, spans)):
             if s != 1 or r in out.retired or d.spans[i] != 1 or r in self.in_flight:
                 continue  # drafting now (or its shadow probe is), retired already, or a plain exploration
             if r in self.drafted:
-                if not wave and (self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs)):
+                if not large and (self._probing(r) or not plain_wins_uniformly(tables[i], n, *costs)):
                     continue
                 if not fails and self._awaits_reprobe(r, n):
                     continue
@@ -125,19 +124,24 @@ class Retirement(Exploration):
         0.87 / 0.87 / 0.90 of plain at c8 / c16 / c32 (nineteenth session, run 88). Dropping surprises there
         instead lost turns: in simulation a c8 workload going from geometric 0.25 to 0.85 ran 0.86 of the
         better mode after it (1.05 with surprises), at c32 0.77 (1.04), as the retired requests fed the
-        population nothing. Small batches keep the rule: at c1 a lone request's block is all there is."""
-        if accepted < self._surprise():
-            return False
-        est = self.estimates
-        if self.batch < PROBE_SAMPLE or min(est.failing_span(), est.failing_span(later=True)) < self.block_size:
-            return True
-        return accepted >= est.unlikely_count(first, SURPRISE_ODDS)
+        population nothing. Small batches keep the rule: at c1 a lone request's block is all there is. Judged,
+        as _surprise(), by what was known at the last decision (its batch size included)."""
+        least = self._surprise()
+        rare = self._surprise_at[2]
+        return accepted >= least and (rare is None or accepted >= rare[0 if first else 1])
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at
         the last decision: a step's blocks are judged by what was known when they were drafted, and it is
-        computed once a step (per observation it was 4.6x the cost of observing: 11 against 2.4 us, dev CPU)."""
+        computed once a step (per observation it was 4.6x the cost of observing: 11 against 2.4 us, dev CPU).
+        With it, once a step, the rare counts of first and later blocks _surprising reads in a large batch
+        where nothing is known to fail (else None)."""
         if self._surprise_at[0] != self.steps:
-            fails = min(self.estimates.failing_span(), self.estimates.failing_span(later=True))
-            self._surprise_at = (self.steps, fails - 1 if fails < self.block_size else 1)
+            est = self.estimates
+            fails = min(est.failing_span(), est.failing_span(later=True))
+            batch = len(self.last.spans) if self.last is not None else 0  # the last choice's requests
+            rare = None
+            if fails >= self.block_size and batch >= PROBE_SAMPLE:
+                rare = (est.unlikely_count(True, SURPRISE_ODDS), est.unlikely_count(False, SURPRISE_ODDS))
+            self._surprise_at = (self.steps, fails - 1 if fails < self.block_size else 1, rare)
         return self._surprise_at[1]
