@@ -181,6 +181,12 @@ class Scheduler(StepCommit):
             admitted.append(req)
             tokens += len(req.prompt_ids)
         if admitted:
+            if self.policy is not None:  # a dormant policy admits new requests retired (spec_decode/dormancy.py)
+                batch = len(self.running) + len(admitted)
+                for r in admitted:
+                    rid = r.request_id
+                    if self.eligible(r) and self.policy.admit(rid, r.params.max_tokens, len(r.prompt_ids), batch):
+                        self.retired_at[rid] = 1  # its decode steps, from the one after its prefill's token
             plan = PrefillPlan(admitted, [self.speculates(r) for r in admitted])
             try:
                 for r, c in zip(admitted, plan.capture):

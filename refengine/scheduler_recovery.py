@@ -20,6 +20,7 @@ class StepRecovery:
     proposer: Proposer | None
     waiting: deque[Request]
     policy: AdaptivePolicy | None
+    retired_at: dict[int, int]
     _done: list[Request]
 
     def speculates(self, req: Request) -> bool:
@@ -45,6 +46,9 @@ class StepRecovery:
                 self.pool.release(r.request_id)
                 if self.proposer is not None:
                     self.proposer.release(r.request_id)
+                if self.policy is not None:  # (admitted retired by a dormant policy: asked again on the retry)
+                    self.policy.release(r.request_id)
+                    self.retired_at.pop(r.request_id, None)
                 r.status = RequestStatus.WAITING
             self.waiting.extendleft(reversed(plan.requests))
         elif isinstance(plan, DecodePlan):

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.dormancy import Dormancy
 from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
@@ -72,6 +73,8 @@ class AdaptivePolicy(Retirement):
     shadows: int = 0  # probes drafted as shadows (refengine/spec_decode/shadow_probe.py)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
+    dormancy: Dormancy = field(default_factory=Dormancy)  # new requests admitted retired (dormancy.py)
+    _retiring: int | None = None  # the last full decision's batch, when in a retirement regime (dormancy's calm)
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
@@ -110,6 +113,7 @@ class AdaptivePolicy(Retirement):
         self.explored, self.searched, self.probes, self.reprobes, self.caps = 0, 0, 0, 0, Counter()
         self.shadows = 0
         self.sample.unprobed = self.sample.retirements = 0
+        self.dormancy.admitted = self.dormancy.probes = 0
         self.sample.retired_by = Counter()
         self._decisions_before = self.steps
 
@@ -276,8 +280,10 @@ class AdaptivePolicy(Retirement):
         surprising = self._surprising(accepted, first)  # past what the workload accepts: no plain regime yet
         if first:
             self.sample.observe_first_block(surprising)
+            self.dormancy.observe_first_block(req_id, surprising, self._retiring)
         if surprising:
             self._spec_at = self.steps
+            self.dormancy.surprise()
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
@@ -309,6 +315,7 @@ class AdaptivePolicy(Retirement):
         self._drafted_at.pop(req_id, None)
         self.reprobed.discard(req_id)
         self.sample.release(req_id)
+        self.dormancy.release(req_id)
 
     def summary(self) -> dict:
         """The policy's inputs and decisions, for stats / bench JSON (times in ms; policy_summary.py)."""

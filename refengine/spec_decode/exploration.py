@@ -49,6 +49,7 @@ import functools
 from collections import Counter
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
+from refengine.spec_decode.dormancy import Dormancy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE, ProbeSample
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table
 from refengine.spec_decode.step_costs import CostModel
@@ -69,6 +70,7 @@ class Exploration:
     estimates: AcceptanceEstimates
     drafted: dict[int, tuple[int, int]]
     sample: ProbeSample
+    dormancy: Dormancy
     steps: int
     elapsed_s: float
     regret_s: float
@@ -132,7 +134,7 @@ class Exploration:
             and r not in self.in_flight
         ]
         if new and n >= PROBE_SAMPLE and sampling():  # (a batch of fewer: every new request)
-            new = self.sample.sample(req_ids, new)
+            new = self.sample.sample(req_ids, new, self.dormancy.due)
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
             # and evidence on every position (spans chosen short test only the first few), up to the first
             # position known to fail (AcceptanceEstimates.failing_span)

@@ -22,6 +22,12 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "unprobed": policy.unprobed,
         "retired": policy.retirements,
         "retired_by": dict(sorted(policy.sample.retired_by.items())),  # which rule, at which batch size
+        # new requests admitted retired, and probed, while dormant; calm first blocks in a row (dormancy.py)
+        "dormant": {
+            "admitted": policy.dormancy.admitted,
+            "probes": policy.dormancy.probes,
+            "calm": list(policy.dormancy.calm),
+        },
         "explore_interval": policy.interval,
         "explore_regret_ms": round(policy.regret_s * 1e3, 3),
         "probe_regret_ms": round(policy.probe_regret_s * 1e3, 3),

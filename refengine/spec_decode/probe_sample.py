@@ -58,11 +58,15 @@ class ProbeSample:
     def passed(self, req_id: int) -> bool:
         return req_id in self._passed
 
-    def sample(self, req_ids: list[int], new: list[int]) -> list[int]:
+    def sample(self, req_ids: list[int], new: list[int], keep: set[int] | frozenset[int] = frozenset()) -> list[int]:
         """The new requests (indices into req_ids) probed while first-step probes are short: every
-        PROBE_SAMPLE-th of them in arrival order, the first one included; the others are passed over."""
+        PROBE_SAMPLE-th of them in arrival order, the first one included; the others are passed over. Those in
+        `keep` (a dormant policy's probes: dormancy.py) are probed and not counted."""
         kept, passed = [], []
         for i in new:
+            if req_ids[i] in keep:
+                kept.append(i)
+                continue
             if self._new_seen % PROBE_SAMPLE == 0:
                 kept.append(i)
             else:
@@ -88,11 +92,13 @@ class ProbeSample:
         seen = self._passed.get(req_id)
         return seen is not None and self._first_surprise_at <= seen < self._first_seen
 
-    def retire(self, req_id: int, why: str = "") -> None:
-        """`why`: the rule and batch size that retired it (the stats' retired_by)."""
+    def retire(self, req_id: int, why: str = "", at_admission: bool = False) -> None:
+        """`why`: the rule and batch size that retired it (the stats' retired_by). `at_admission`: before its
+        prefill (dormancy.py), so the scheduler, which asked, holds nothing for it to free (not in take_retired)."""
         self.retired.add(req_id)
         self.retired_by[why] += 1
-        self._newly_retired.append(req_id)
+        if not at_admission:
+            self._newly_retired.append(req_id)
         self.retirements += 1
 
     def take_retired(self) -> list[int]:

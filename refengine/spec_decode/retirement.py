@@ -36,6 +36,7 @@ class Retirement(Exploration):
     _spec_at: int
     _surprise_at: tuple[int, int, tuple[int, int] | None]
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
+    _retiring: int | None
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
         """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
@@ -54,6 +55,7 @@ class Retirement(Exploration):
             return
         fails = self._position_one_fails()
         costs = self._plain_regime(len(req_ids), fails)
+        self._retiring = len(req_ids) if costs is not None else None  # (its probes' blocks: dormancy's calm)
         if costs is None:
             return
         n, tables = len(req_ids), self._tables[1]
@@ -73,6 +75,27 @@ class Retirement(Exploration):
             regime = "position 1 fails" if fails else "plain regime"
             out.retire(r, f"{regime} / {'own blocks' if r in self.drafted else 'passed over'} / batch {n}")
             self._version += 1  # its table is now flat: the cached decision and tables are stale
+
+    def admit(self, req_id: int, max_tokens: int, prompt_rows: int, batch: int) -> bool:
+        """A new request joining a batch of `batch` requests (itself included), before its prefill: True when it
+        is admitted retired (refengine/spec_decode/dormancy.py: the policy is dormant, the regime holds at this
+        batch size, and the work admitted since the last probe does not pay for one), so its prefill captures
+        nothing and it never drafts; False: it is a new request like any other (a dormant one's probe: not
+        passed over by the sample). `prompt_rows`: its prompt's context, which its probe would catch up."""
+        dormancy, fails = self.dormancy, self._position_one_fails()
+        if not dormancy.dormant(batch, fails):
+            return False
+        costs = self._plain_regime(batch, fails)
+        if costs is None:
+            return False
+        plain = costs[0]
+        span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
+        probe = self.cost.draft_s(1) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
+        probe += self.cost.catch_up_s(prompt_rows)
+        if not dormancy.admit(req_id, max_tokens * plain / batch, max(probe, 0.0)):
+            return False
+        self.sample.retire(req_id, f"dormant / batch {batch}", at_admission=True)
+        return True
 
     def _awaits_reprobe(self, req_id: int, n: int) -> bool:
         """In a batch small enough to re-probe (exploration.REPROBE_EVERY), a request retires in a plain regime

@@ -218,3 +218,47 @@ def test_lossless_adaptive_retired_after_a_reprobe(model_pair, graph_mode):
     assert policy.reprobes > 0 and policy.retirements > 0, policy.summary()
     assert not early, f"requests {early} retired before a re-probe of their own: {policy.summary()['retired_by']}"
     _check_clean(engine)
+
+
+@pytest.mark.parametrize("graph_mode", ["eager", "full"])
+def test_lossless_adaptive_dormant_admission(model_pair, graph_mode, monkeypatch):
+    """A dormant policy (refengine/spec_decode/dormancy.py: calm first blocks in a position-1-fails regime)
+    admits new requests retired: their prefill captures nothing, they never hold a drafter context and decode
+    on plain decode's own step, except the probes the admitted work pays for (DORMANT_SHARE raised here so a
+    few requests pay for one), which draft beside them. The bench's tau1.0 profile makes every verify accept
+    nothing, so every output must equal plain decoding, and every request's stats count each decode step."""
+    from refengine.spec_decode import dormancy
+
+    monkeypatch.setattr(dormancy, "DORMANT_SHARE", 0.02)
+    prompts = _prompts(model_pair, 12, seed=13)
+    budgets = [BUDGETS[i % len(BUDGETS)] + 20 for i in range(len(prompts))]
+    plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
+    engine, policy = _adaptive_at_tau1(model_pair, graph_mode, max_num_seqs=4)
+    _seed_plain_regime(policy)  # (its fixed costs: the credit's arithmetic does not hang on the CPU's timings)
+    _seed_position_one_failing(policy, n=80)  # then a workload where position 1 fails everywhere
+    policy._next_explore = 10**9
+    policy.dormancy.calm = [dormancy.DORMANT_AFTER] * 2
+    admit, retired_at_admission = policy.admit, []
+
+    def recorded(req_id: int, *args) -> bool:
+        out = admit(req_id, *args)
+        if out:
+            retired_at_admission.append(req_id)
+        return out
+
+    policy.admit = recorded  # type: ignore[method-assign]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    while engine.has_work():
+        engine.step()
+        held = engine.scheduler.active_proposer.live_requests() & set(retired_at_admission)
+        assert not held, f"requests {sorted(held)}, admitted retired, hold a drafter context"
+    for i, (r, ref) in enumerate(zip(reqs, plain)):
+        assert_same_tokens(r.output_ids, ref, f"{model_pair.name} dormant request {i} (max_tokens {budgets[i]})")
+    summary = policy.summary()["dormant"]
+    assert summary["admitted"] == len(retired_at_admission) > 0 and summary["probes"] > 0, summary
+    assert summary["admitted"] + summary["probes"] == len(prompts), summary
+    steps = [(r.spec.committed_tokens, r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
+    assert all(c == v == n for c, v, n in steps), f"stats (tokens, steps, decoded) per request: {steps}"
+    if graph_mode != "eager":
+        assert engine.runner.graphs["decode_plain"].replays > 0, "retired batches replay the tapless decode graph"
+    _check_clean(engine)

@@ -4,7 +4,8 @@ the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
 - adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
   rows per request; all-span-1 steps the decode graph with taps), and with requests retired from
-  speculation (span 1, no drafter context; a batch of them replays the decode graph without taps);
+  speculation (span 1, no drafter context; a batch of them replays the decode graph without taps), also
+  from their admission by a dormant policy (their prefill captures nothing);
 - the feature store: what the graphs write there and the drafter reads equals HF's tap outputs (bf16);
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
@@ -105,15 +106,17 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("regime", ["position-one-fails", "plain-regime"])
+@pytest.mark.parametrize("regime", ["position-one-fails", "plain-regime", "dormant"])
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime):
+def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime, monkeypatch):
     """Adaptive requests retired from speculation (position 1 failing everywhere, or a plain regime where it
     accepts in 30% of blocks; the bench's tau1.0 profile accepting nothing, which commits the target's own
     greedy token) ride at span 1 without a drafter context, and a batch of them replays the decode graph without
-    taps: same tokens as the eager plain engine (gate)."""
+    taps: same tokens as the eager plain engine (gate). `dormant` (refengine/spec_decode/dormancy.py): most
+    requests are admitted retired (their prefill captures nothing) beside the few probes the work pays for."""
     from refengine.config import EngineConfig
     from refengine.engine import Engine
+    from refengine.spec_decode import dormancy
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
     from tests.golden.test_lossless_adaptive import _seed_plain_regime, _seed_position_one_failing
 
@@ -136,10 +139,19 @@ def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime):
     engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
     policy = engine.scheduler.policy
     assert policy is not None
+    if regime == "dormant":  # fixed costs (the credit's arithmetic), then nothing accepted anywhere, calm
+        monkeypatch.setattr(dormancy, "DORMANT_SHARE", 0.02)  # (a few requests pay for a probe)
+        _seed_plain_regime(policy)
+        _seed_position_one_failing(policy, n=80)
+        policy._next_explore = 10**9
+        policy.dormancy.calm = [dormancy.DORMANT_AFTER] * 2
     (_seed_plain_regime if regime == "plain-regime" else _seed_position_one_failing)(policy)
     out = greedy(engine, prompts, budgets)
     engine.check_integrity()
     assert policy.retirements == len(prompts), policy.summary()
+    if regime == "dormant":
+        d = policy.summary()["dormant"]
+        assert d["admitted"] > 0 and d["probes"] > 0 and d["admitted"] + d["probes"] == len(prompts), d
     assert engine.runner.graphs["decode_plain"].replays > 0, "no step replayed the decode graph without taps"
     failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-retired-{regime}")
     assert not failures, "\n".join(failures)

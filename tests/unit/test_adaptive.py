@@ -297,8 +297,19 @@ def _simulate_phases(
         for _ in range(waves):
             left = dict.fromkeys(range(rid, rid + concurrency), tokens)
             rid += concurrency
+            if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits requests retired
+                for r in left:
+                    pol.admit(r, tokens, 128, concurrency)
             while left:
                 live = sorted(left)
+                if mode == "adaptive" and all(r in pol.retired for r in live):  # plain decode's own step: no
+                    elapsed += true.plain_s(len(live))  # policy, no cost sample (refengine/scheduler.py)
+                    for r in live:
+                        left[r] -= 1
+                        if left[r] <= 0:
+                            del left[r]
+                            pol.release(r)
+                    continue
                 want = {"plain": [1] * len(live), "fixed": [B] * len(live)}.get(mode) or pol.choose(
                     live, [left[r] for r in live]
                 )

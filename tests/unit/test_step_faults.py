@@ -156,6 +156,38 @@ def test_faults_around_retired_requests_are_lossless(random_pair, refs, point, a
     assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
 
 
+def test_prefill_fault_undoes_a_dormant_admission(random_pair, refs):
+    """A dormant adaptive policy (refengine/spec_decode/dormancy.py) retires new requests as they are admitted;
+    a prefill that fails takes that back with the rest of the admission (no retired request waits, the
+    scheduler's stats hold nothing for them), and the retry admits them again: exact outputs, nothing leaks."""
+    from refengine import Engine, EngineConfig
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+    from refengine.spec_decode.dormancy import DORMANT_AFTER
+    from tests.golden.test_lossless_adaptive import _seed_plain_regime, _seed_position_one_failing
+
+    config = EngineConfig(
+        str(random_pair.target), draft_path=str(random_pair.draft), device="cpu", speculation="adaptive"
+    )
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    policy = engine.scheduler.policy
+    assert policy is not None
+    _seed_plain_regime(policy)
+    _seed_position_one_failing(policy, n=80)
+    policy._next_explore = 10**9
+    policy.dormancy.calm = [DORMANT_AFTER] * 2
+    inj = FaultInjector(engine, "prefill", at=0, after=True)
+    reqs = [_add(engine, i) for i in range(3)]
+    assert engine.step() == [] and inj.fired == 1
+    assert policy.dormancy.admitted == 3, policy.summary()["dormant"]
+    assert policy.retired == set() and engine.scheduler.retired_at == {}, "a failed admission holds no retirement"
+    assert [r.request_id for r in engine.scheduler.waiting] == [0, 1, 2]
+    _drain(engine)
+    assert policy.dormancy.admitted == 6 and policy.retirements == 6, policy.summary()
+    _exact(reqs, refs, range(3))
+    steps = [(r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
+    assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
+
+
 def test_commit_fault_errors_only_its_plan(random_pair, refs):
     engine = _engine(random_pair)
     inj = FaultInjector(engine, "commit", at=4)  # calls 0-2: prefill of 0, 1, 2; 3-4: the verify of 0 and 1

@@ -1,0 +1,109 @@
+"""Dormancy (refengine/spec_decode/dormancy.py, Retirement.admit): after DORMANT_AFTER calm first blocks in a
+retirement regime, judged in batches of the same kind, new requests are admitted retired (no taps at prefill,
+no drafter context, no probe), except one whenever the admitted work's DORMANT_SHARE pays for a probe step;
+that probe is not passed over by the probe sample, and a surprising block ends dormancy at once. In a plain
+regime calm gathered in large batches does not make small ones dormant (a drafter whose first blocks are poor
+and later ones good must still be probed on at c1: tests/unit/test_adaptive.py's
+test_poor_first_blocks_do_not_lock_adaptive_into_plain); where position 1 fails everywhere it does.
+
+Run: python -m pytest tests/unit/test_dormancy.py -q
+"""
+
+from __future__ import annotations
+
+from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_SHARE
+from refengine.spec_decode.probe_sample import PROBE_SAMPLE
+from tests.unit.test_adaptive import _later_blocks_fail_too, _policy_with_failing_first_blocks
+
+
+def _probe_and_fail(pol: AdaptivePolicy, batch: list[int], tokens: int = 128) -> list[int]:
+    """One step of `batch` (all new or retired): the probed requests' blocks accept nothing; then a decision
+    that retires them (position 1 fails everywhere). Returns the indices that were probed."""
+    spans = pol.choose(batch, [tokens] * len(batch))
+    probed = [i for i, s in enumerate(spans) if s > 1]
+    for i in probed:
+        pol.observe_acceptance(batch[i], spans[i], 0)
+    pol.choose(batch, [tokens - 1] * len(batch))
+    missing = [r for r in batch if r not in pol.retired]
+    assert not missing, f"requests {missing} did not retire after a failing step: {pol.summary()['retired_by']}"
+    pol.take_retired()  # (as the scheduler does, freeing their drafter contexts)
+    return probed
+
+
+def _calm_at_c1() -> tuple[AdaptivePolicy, int]:
+    """A policy in the position-1-fails regime that probed DORMANT_AFTER requests one at a time, each failing."""
+    pol, rid = _policy_with_failing_first_blocks()
+    rid = _later_blocks_fail_too(pol, rid)
+    for k in range(DORMANT_AFTER):
+        assert not pol.dormancy.dormant(1), f"dormant after {k} calm first blocks"
+        assert not pol.admit(rid, 128, 128, 1), f"request {rid} admitted retired before dormancy"
+        assert _probe_and_fail(pol, [rid]) == [0], f"request {rid}: a lone new request is probed"
+        pol.release(rid)
+        rid += 1
+    return pol, rid
+
+
+def test_a_calm_poor_workload_admits_requests_retired_and_probes_what_the_credit_pays():
+    pol, rid = _calm_at_c1()
+    assert pol.dormancy.dormant(1), pol.summary()["dormant"]
+    assert not pol.dormancy.dormant(PROBE_SAMPLE), "in a plain regime calm at c1 says nothing of a larger batch"
+    assert pol.dormancy.dormant(PROBE_SAMPLE, fails=True), "where nothing is accepted, calm at any batch counts"
+    plain = pol.cost.plain_s(1)
+    probe_s = pol.cost.draft_s(1) + pol.cost.verify_s(1, pol.rows(1, 2)) - plain + pol.cost.catch_up_s(128)
+    n = 400
+    expected = int(n * DORMANT_SHARE * 128 * plain / probe_s)
+    retired = probed = 0
+    for _ in range(n):
+        if pol.admit(rid, 128, 128, 1):
+            assert rid in pol.retired and pol.take_retired() == [], "retired at admission: nothing for the scheduler"
+            retired += 1
+        else:
+            assert _probe_and_fail(pol, [rid]) == [0], f"request {rid}: the credit's probe drafts"
+            probed += 1
+        pol.release(rid)
+        rid += 1
+    assert 1 <= probed and abs(probed - expected) <= 1, f"{probed} probes in {n} requests, expected {expected}"
+    assert pol.summary()["dormant"] == {"admitted": retired, "probes": probed, "calm": [DORMANT_AFTER + probed, 0]}
+    assert pol.summary()["retired_by"]["dormant / batch 1"] == retired
+
+
+def test_the_sample_keeps_a_dormant_probe_and_its_surprise_ends_dormancy():
+    pol, rid = _policy_with_failing_first_blocks()
+    rid = _later_blocks_fail_too(pol, rid)
+    waves = 0
+    while not pol.dormancy.dormant(PROBE_SAMPLE):  # waves of PROBE_SAMPLE: one sampled probe each
+        batch = list(range(rid, rid + PROBE_SAMPLE))
+        assert not any(pol.admit(r, 128, 128, PROBE_SAMPLE) for r in batch)
+        assert len(_probe_and_fail(pol, batch)) == 1, "the sample probes one request of a wave"
+        for r in batch:
+            pol.release(r)
+        rid += PROBE_SAMPLE
+        waves += 1
+    assert waves == DORMANT_AFTER and not pol.dormancy.dormant(1) and pol.dormancy.dormant(1, fails=True)
+    probes = 0
+    for _ in range(400):  # dormant waves until the credit has paid for two probes
+        batch = list(range(rid, rid + PROBE_SAMPLE))
+        rid += PROBE_SAMPLE
+        admitted = [pol.admit(r, 128, 128, PROBE_SAMPLE) for r in batch]
+        if all(admitted):
+            for r in batch:
+                pol.release(r)
+            continue
+        assert admitted.count(False) == 1, f"one probe a wave at most here: {admitted}"
+        i = admitted.index(False)
+        spans = pol.choose(batch, [128] * PROBE_SAMPLE)
+        assert spans == [2 if k == i else 1 for k in range(PROBE_SAMPLE)], f"spans {spans}: the probe is kept"
+        probes += 1
+        if probes == 2:  # (the sample alone would have kept the first, its count then a multiple of PROBE_SAMPLE)
+            pol.observe_acceptance(batch[i], 2, 1)  # position 1 accepted where it fails: a surprise
+            break
+        pol.observe_acceptance(batch[i], 2, 0)
+        pol.choose(batch, [127] * PROBE_SAMPLE)
+        pol.take_retired()
+        for r in batch:
+            pol.release(r)
+    else:
+        raise AssertionError(f"fewer than two dormant probes in 400 waves: {pol.summary()['dormant']}")
+    assert not pol.dormancy.dormant(PROBE_SAMPLE) and pol.dormancy.calm == [0, 0], pol.summary()["dormant"]
+    assert not any(pol.admit(r, 128, 128, PROBE_SAMPLE) for r in range(rid, rid + PROBE_SAMPLE)), "awake again"
