@@ -218,7 +218,9 @@ class AdaptivePolicy(Retirement):
             n = len(req_ids)
             if n not in self._executed:
                 self._executed[n] = executed_rows(self.rows, n, self.block_size)
-            d = choose_spans(tables, remaining, self.block_size, self.cost, self.rows, self._executed[n])
+            d = choose_spans(
+                tables, remaining, self.block_size, self.cost, self.rows, self._executed[n], self._switch_s(req_ids)
+            )
             self._cache_key, self._cached = key, (d if d.cap == 1 else None)
         self.last_mean_expected = sum(e[-1] for e in tables) / len(tables)
         self.steps += 1
@@ -236,6 +238,16 @@ class AdaptivePolicy(Retirement):
         self.searched += d.searched and not reused
         self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
+
+    def _switch_s(self, req_ids: list[int]) -> float:
+        """The catch-up a speculating choice would pay now: the context rows its unretired requests carry past
+        a plain stretch (or a prompt), when one carries more than a block (else 0: no catch-up). Charged to every
+        speculating candidate of the choice, as if each of them drafted (an upper bound). Without it the trained
+        tiny pair at c8 on the H200 (run 97) switched from plain stretches to speculation in 117 of 450
+        decisions and back, each switch's verify step 2.8 ms of wall time against a predicted ~2 ms (a 0.66 ms +
+        0.8 us a row catch-up not in the choice), and ran 0.80 of plain."""
+        out = self.sample.retired
+        return self.cost.catch_up_s(self._pending_rows(req_ids, [1 if r in out else 2 for r in req_ids]))
 
     @property
     def carried_rows(self) -> int:

@@ -34,7 +34,9 @@ class Decision:
     searched: bool = True  # False: the upper bound showed plain wins, no span was evaluated
 
 
-def _spec_bound(tables: list[Table], remaining: list[int], block: int, cost: CostModel, rows: RowsFn) -> float:
+def _spec_bound(
+    tables: list[Table], remaining: list[int], block: int, cost: CostModel, rows: RowsFn, switch_s: float = 0.0
+) -> float:
     """An upper bound on any speculating choice's rate: every request's largest gain over the cheapest
     speculating step. D and V are linear in the drafting requests and the executed rows, so their minima
     over a choice lie at the ends of those ranges, whatever the signs of the fitted slopes."""
@@ -42,7 +44,7 @@ def _spec_bound(tables: list[Table], remaining: list[int], block: int, cost: Cos
     gain = sum(e[min(block, r)] - 1.0 for e, r in zip(tables, remaining) if r > 1)  # E rises with the span
     draft = min(cost.draft_s(1), cost.draft_s(n))
     verify = min(cost.verify_s(n, rows(n, n + 1)), cost.verify_s(n, rows(n, n * block)))
-    return (n + gain) / (draft + verify)
+    return (n + gain) / (draft + verify + switch_s)
 
 
 def executed_rows(rows: RowsFn, n: int, block: int) -> tuple[int, ...]:
@@ -58,19 +60,21 @@ def choose_spans(
     cost: CostModel,
     rows: RowsFn = real_rows,
     executed: tuple[int, ...] | None = None,
+    switch_s: float = 0.0,
 ) -> Decision:
     """The span per request maximising predicted committed tokens / second (see the module docstring).
 
     For each cap, requests are switched to span 1 smallest gain E_i(s_i) - 1 first. O(B * N log N)
-    arithmetic, skipped by an O(N) bound when plain clearly wins."""
+    arithmetic, skipped by an O(N) bound when plain clearly wins. `switch_s`: what any speculating choice
+    pays on top of its draft and verify (the catch-up of context carried past a plain stretch)."""
     n = len(tables)
     plain_rate = n / cost.plain_s(n)
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain
-    if _spec_bound(tables, remaining, block, cost, rows) <= plain_rate * SPEC_MARGIN:
+    if _spec_bound(tables, remaining, block, cost, rows, switch_s) <= plain_rate * SPEC_MARGIN:
         return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
-    draft_cost = [cost.draft_s(m) for m in range(n + 1)]
+    draft_cost = [cost.draft_s(m) + switch_s for m in range(n + 1)]
     if executed is None:
         executed = executed_rows(rows, n, block)  # by real rows: few distinct shapes
     by_shape = {x: cost.verify_s(n, x) for x in set(executed)}  # measured table, else the fit

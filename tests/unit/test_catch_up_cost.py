@@ -133,3 +133,37 @@ def test_carried_rows_come_from_the_lane_prompt_included(trained_pair):
     rid = req.request_id
     assert policy.pending(rid) == engine.proposer.pending_rows(rid) == len(prompt), policy.pending(rid)
     assert policy._pending_rows([rid], [B]) == len(prompt), "a first draft catches the prompt up"
+
+
+def test_a_speculating_choice_after_a_plain_stretch_pays_its_catch_up():
+    # the choice charges every speculating candidate the catch-up of the rows its unretired requests carry past
+    # a plain stretch (or a prompt): a step that barely beats plain on draft + verify alone stays plain while
+    # that catch-up is due, and speculates once nothing carries more than a block (H200 run 97: the trained
+    # tiny pair at c8 switched to speculation in 117 of 450 decisions, each verify step 2.8 ms against a
+    # predicted ~2: 0.80 of plain)
+    from refengine.spec_decode.span_choice import SPEC_MARGIN, choose_spans
+
+    cost = CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
+    n = 4
+    table = [0.0, 1.0] + [1.0 + 0.9 * (1 - 0.45 ** (s - 1)) / 0.55 * 0.45 for s in range(2, B + 1)]
+    tables, remaining = [table] * n, [500] * n
+    free = choose_spans(tables, remaining, B, cost)
+    assert free.cap > 1 and set(free.spans) == {free.cap}, f"without a catch-up every request speculates: {free}"
+    tokens = sum(table[s] for s in free.spans)
+    spec_s = cost.draft_s(n) + cost.verify_s(n, sum(free.spans))
+    even = tokens / (free.plain_tok_per_s * SPEC_MARGIN) - spec_s  # the catch-up at which plain wins the choice
+    assert even > 0, (tokens, spec_s, free)
+    assert choose_spans(tables, remaining, B, cost, switch_s=0.9 * even).cap > 1, "a smaller catch-up still pays"
+    assert choose_spans(tables, remaining, B, cost, switch_s=1.1 * even).cap == 1, "a larger one keeps it plain"
+
+    pol = AdaptivePolicy(B, cost=cost)
+    carried = dict.fromkeys(range(n), 200)
+    pol.pending = carried.__getitem__
+    pol.cost.catch_up.update([1.0, 200.0], 0.5 + 0.2)  # C(200) learnt: ~0.7 ms
+    assert pol.cost.catch_up_s(n * 200) > 0
+    assert pol._switch_s(list(range(n))) == pytest.approx(pol.cost.catch_up_s(n * 200))
+    carried.update(dict.fromkeys(range(n), 1))
+    assert pol._switch_s(list(range(n))) == 0.0, "nothing carries more than a block: no catch-up"
+    carried[0] = 200
+    pol.sample.retired.add(0)
+    assert pol._switch_s(list(range(n))) == 0.0, "a retired request never drafts: its rows are no catch-up"
