@@ -21,12 +21,14 @@ Model (all online, with priors):
   choice loses more than a wrong plain one). An O(N) upper bound skips the search when plain clearly wins,
   and a plain decision is reused until an observation arrives or the batch changes. A draft's
   catch-up of context carried past a plain stretch is not in D: it is learnt as C(rows), a fixed cost plus a
-  cost per carried row, and charged to the explorations that would cause one (observe_step).
+  cost per carried row, and charged to the explorations that would cause one (observe_step) and to every
+  speculating candidate of a choice while one is due (Exploration._switch_s).
 - exploration and probes (refengine/spec_decode/exploration.py): within a budget, the losing kind is tried
   now and then, and new requests draft a block on their first step; while position 1 fails or in a plain
   regime, a sample of them, and requests retire from speculation (refengine/spec_decode/probe_sample.py); in
   small batches, requests decoding plainly draft a block again now and then (re-probes: a generation's
-  acceptance can turn good midway).
+  acceptance can turn good midway); once speculation has settled into not paying, new requests are admitted
+  retired, but for the probes the admitted work pays for (refengine/spec_decode/dormancy.py: admit).
 """
 
 from __future__ import annotations
@@ -187,16 +189,6 @@ class AdaptivePolicy(Retirement):
         self.caps[1] += 1
         return True
 
-    def _pending_rows(self, req_ids: list[int], spans: list[int]) -> int:
-        """Context rows the drafting requests of `spans` carry since their last draft, when one carries more than
-        a block (the lane then projects them all before the draft, a catch-up); else 0. Read from the proposer
-        (`pending`, bound by the scheduler: a prompt's rows and those of a request passed over by the probe sample
-        included); unbound, nothing is known to carry: 0."""
-        if self.pending is None:
-            return 0
-        gaps = [self.pending(r) for r, sp in zip(req_ids, spans) if sp > 1]
-        return sum(gaps) if gaps and max(gaps) > self.block_size else 0
-
     def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), self._budget_key(min(remaining)))
         if self._reuse(key):
@@ -238,16 +230,6 @@ class AdaptivePolicy(Retirement):
         self.searched += d.searched and not reused
         self._settled = d.cap == 1  # plain, nothing to probe or explore: the next step may reuse it at O(1)
         return d.spans
-
-    def _switch_s(self, req_ids: list[int]) -> float:
-        """The catch-up a speculating choice would pay now: the context rows its unretired requests carry past
-        a plain stretch (or a prompt), when one carries more than a block (else 0: no catch-up). Charged to every
-        speculating candidate of the choice, as if each of them drafted (an upper bound). Without it the trained
-        tiny pair at c8 on the H200 (run 97) switched from plain stretches to speculation in 117 of 450
-        decisions and back, each switch's verify step 2.8 ms of wall time against a predicted ~2 ms (a 0.66 ms +
-        0.8 us a row catch-up not in the choice), and ran 0.80 of plain."""
-        out = self.sample.retired
-        return self.cost.catch_up_s(self._pending_rows(req_ids, [1 if r in out else 2 for r in req_ids]))
 
     @property
     def carried_rows(self) -> int:
