@@ -203,9 +203,9 @@ class Exploration:
         """The catch-up a speculating choice would pay now: the context rows its unretired requests carry past
         a plain stretch (or a prompt), when one carries more than a block (else 0: no catch-up). Charged to every
         speculating candidate of the choice, as if each of them drafted (an upper bound). Without it the trained
-        tiny pair at c8 on the H200 (run 97) switched from plain stretches to speculation in 117 of 450
-        decisions and back, each switch's verify step 2.8 ms of wall time against a predicted ~2 ms (a 0.66 ms +
-        0.8 us a row catch-up not in the choice), and ran 0.80 of plain."""
+        tiny pair at c8 on the H200 (run 97) switched from plain stretches to speculation in 120 of 453
+        decisions and back, each such verify step 2.8 ms of wall time where the choice priced ~1.3 ms of draft
+        and verify (the rest: a catch-up of 0.66 ms + 0.8 us a row, and host time), and ran 0.80 of plain."""
         out = self.sample.retired
         return self.cost.catch_up_s(self._pending_rows(req_ids, [1 if r in out else 2 for r in req_ids]))
 

@@ -139,8 +139,8 @@ def test_a_speculating_choice_after_a_plain_stretch_pays_its_catch_up():
     # the choice charges every speculating candidate the catch-up of the rows its unretired requests carry past
     # a plain stretch (or a prompt): a step that barely beats plain on draft + verify alone stays plain while
     # that catch-up is due, and speculates once nothing carries more than a block (H200 run 97: the trained
-    # tiny pair at c8 switched to speculation in 117 of 450 decisions, each verify step 2.8 ms against a
-    # predicted ~2: 0.80 of plain)
+    # tiny pair at c8 switched to speculation in 120 of 453 decisions, each verify step 2.8 ms where the choice
+    # priced ~1.3 ms of draft and verify: 0.80 of plain)
     from refengine.spec_decode.span_choice import SPEC_MARGIN, choose_spans
 
     cost = CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
