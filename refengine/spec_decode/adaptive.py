@@ -44,12 +44,13 @@ from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
+from refengine.spec_decode.shadow_probe import ShadowChoice
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
 
 @dataclass
-class AdaptivePolicy(Retirement):
+class AdaptivePolicy(Retirement, ShadowChoice):
     """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics.
     `rows` maps (requests, real rows) to the rows a verify computes (the runner's graph shapes)."""
 
@@ -282,25 +283,6 @@ class AdaptivePolicy(Retirement):
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
         self._drafted_at[req_id] = self.steps
-
-    def shadowable(self, spans: list[int]) -> list[int]:
-        """Indices of the requests a plain choice probes (`spans`: the choice's): the probes can be shadows,
-        drafted while the step decodes plainly (shadow_probe.py). Empty when anything else drafts."""
-        probed = self.probed
-        if not probed or self.last is None or self.last.cap > 1:
-            return []
-        ours = set(probed)
-        return probed if all(s == 1 for i, s in enumerate(spans) if i not in ours) else []
-
-    def shadows_launched(self, req_ids: list[int]) -> None:
-        """Their probes draft as shadows: no new probe or retirement for them until the answer is in."""
-        self.in_flight.update(req_ids)
-        self.shadows += len(req_ids)
-
-    def observe_shadow(self, req_id: int, span: int, accepted: int) -> None:
-        """A shadow probe's answer: what a verify of `span` would have accepted (shadow_probe.py)."""
-        self.in_flight.discard(req_id)
-        self.observe_acceptance(req_id, span, accepted)
 
     def release(self, req_id: int) -> None:
         self.in_flight.discard(req_id)

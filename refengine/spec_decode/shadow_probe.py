@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from refengine.spec_decode.span_choice import Decision
+
 
 @dataclass
 class OpenShadow:
@@ -73,3 +75,35 @@ class ShadowProbes:
 
     def release(self, req_id: int) -> None:
         self.open.pop(req_id, None)
+
+
+class ShadowChoice:
+    """The policy's side of shadow probes (a mixin of AdaptivePolicy, refengine/spec_decode/adaptive.py)."""
+
+    # what AdaptivePolicy provides
+    probed: list[int]
+    last: Decision | None
+    in_flight: set[int]
+    shadows: int
+
+    def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:
+        raise NotImplementedError
+
+    def shadowable(self, spans: list[int]) -> list[int]:
+        """Indices of the requests a plain choice probes (`spans`: the choice's): the probes can be shadows,
+        drafted while the step decodes plainly (shadow_probe.py). Empty when anything else drafts."""
+        probed = self.probed
+        if not probed or self.last is None or self.last.cap > 1:
+            return []
+        ours = set(probed)
+        return probed if all(s == 1 for i, s in enumerate(spans) if i not in ours) else []
+
+    def shadows_launched(self, req_ids: list[int]) -> None:
+        """Their probes draft as shadows: no new probe or retirement for them until the answer is in."""
+        self.in_flight.update(req_ids)
+        self.shadows += len(req_ids)
+
+    def observe_shadow(self, req_id: int, span: int, accepted: int) -> None:
+        """A shadow probe's answer: what a verify of `span` would have accepted (shadow_probe.py)."""
+        self.in_flight.discard(req_id)
+        self.observe_acceptance(req_id, span, accepted)
