@@ -268,6 +268,8 @@ def _simulate_phases(
     catch_up_fixed_s: float = 0.0,
     switch: tuple[int, float] | None = None,
     seeded: bool = False,
+    prefill_taps_s: float = 0.0,
+    taps_s: float = 0.0,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -279,7 +281,11 @@ def _simulate_phases(
     accepted with p instead (a generation that turns repetitive, as the trained tiny pair's text loops).
     `seeded`: every graph shape's cost is in the policy's tables from the start, as Engine.capture_graphs times
     them on the GPU; unseeded, a phase at a new batch size starts on fits extrapolated from the last one (as an
-    eager engine does)."""
+    eager engine does). `prefill_taps_s`: a wave's prefill that captures tap features for any of its requests
+    costs this more (fixed spans' always; adaptive's unless a dormant policy admitted all of them retired);
+    `taps_s`: a plain step of adaptive's with any unretired request runs the decode graph with taps, this
+    much dearer than plain decode's own (the H200: ~2.4 ms a 128-token prefill at c1, run 96; 0.4-1.3% of a
+    decode step, run 55)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -300,6 +306,8 @@ def _simulate_phases(
             if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits requests retired
                 for r in left:
                     pol.admit(r, tokens, 128, concurrency)
+            if mode == "fixed" or (mode == "adaptive" and any(r not in pol.retired for r in left)):
+                elapsed += prefill_taps_s
             while left:
                 live = sorted(left)
                 if mode == "adaptive" and all(r in pol.retired for r in live):  # plain decode's own step: no
@@ -323,7 +331,7 @@ def _simulate_phases(
                 draft += catch_up
                 rows = _graph_rows(len(live), sum(spans))
                 verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
-                elapsed += draft + verify
+                elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" else 0.0)
                 pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
                 for r, s in zip(live, spans):
                     p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
