@@ -15,9 +15,10 @@ that work's plain decode time, against the predicted cost of a probe step (Adapt
 request is probed as any new one (the probe sample does not pass it over), and its first block is the
 dormant policy's sentinel: a surprising block anywhere ends dormancy at once, and new requests are probed as
 before (each one in a small batch, a sample of them in a larger one) until DORMANT_AFTER calm first blocks
-again. So a stationary poor workload pays about DORMANT_SHARE for its looks (about twice that: the probe's
-prefill premium is not in the predicted cost), and a turn is seen within the work that pays for one probe (at
-Qwen3-4B shapes on the H200 about 4 requests of 128 tokens at c1, 3 waves at c32).
+again. So a stationary poor workload pays for its looks a few times DORMANT_SHARE (a probe's prefill premium
+and part of its step are not in the predicted cost: in simulation with the H200's costs 0.5% at c1 and c32
+against 1.0-1.1% without dormancy, tests/unit/test_dormancy.py), and a turn is seen within the work that
+pays for one probe (at Qwen3-4B shapes on the H200 about 4 requests of 128 tokens at c1, 3 waves at c32).
 
 Only at a batch size where the regime holds, and in a plain regime on calm blocks of its own kind of batch
 (smaller than PROBE_SAMPLE, or not; where position 1 fails everywhere, calm blocks of any): the trained tiny
