@@ -116,6 +116,18 @@ def _seed_plain_regime(policy, n: int = 40) -> None:
     policy._spec_at = -RETIRE_AFTER
 
 
+def _seed_dormant(policy) -> None:
+    """A dormant policy (refengine/spec_decode/dormancy.py): _seed_plain_regime's fixed costs (the credit's
+    arithmetic then does not hang on the device's timings), then a workload where position 1 fails everywhere,
+    no exploration due, and DORMANT_AFTER calm first blocks in both kinds of batch."""
+    from refengine.spec_decode.dormancy import DORMANT_AFTER
+
+    _seed_plain_regime(policy)
+    _seed_position_one_failing(policy, n=80)
+    policy._next_explore = 10**9
+    policy.dormancy.calm = [DORMANT_AFTER] * 2
+
+
 def _adaptive_at_tau1(model_pair, graph_mode: str, max_num_seqs: int, **kw):
     """An adaptive CPU engine of the pair whose verifies accept nothing (the bench's tau1.0 profile: each commits
     exactly the target's greedy token, so outputs must equal plain decoding), and its policy. `kw`: more
@@ -234,10 +246,7 @@ def test_lossless_adaptive_dormant_admission(model_pair, graph_mode, monkeypatch
     budgets = [BUDGETS[i % len(BUDGETS)] + 20 for i in range(len(prompts))]
     plain = greedy(cpu_engine(model_pair.target), prompts, budgets, True)
     engine, policy = _adaptive_at_tau1(model_pair, graph_mode, max_num_seqs=4)
-    _seed_plain_regime(policy)  # (its fixed costs: the credit's arithmetic does not hang on the CPU's timings)
-    _seed_position_one_failing(policy, n=80)  # then a workload where position 1 fails everywhere
-    policy._next_explore = 10**9
-    policy.dormancy.calm = [dormancy.DORMANT_AFTER] * 2
+    _seed_dormant(policy)
     admit, retired_at_admission = policy.admit, []
 
     def recorded(req_id: int, *args) -> bool:

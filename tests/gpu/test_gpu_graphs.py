@@ -118,7 +118,7 @@ def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime, monkey
     from refengine.engine import Engine
     from refengine.spec_decode import dormancy
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-    from tests.golden.test_lossless_adaptive import _seed_plain_regime, _seed_position_one_failing
+    from tests.golden.test_lossless_adaptive import _seed_dormant, _seed_plain_regime, _seed_position_one_failing
 
     vocab = 1024 if model_pair.name == "tiny-random" else 4096
     prompts = _prompts(16, [1, 5, 16, 17, 60, 200], seed=5, vocab=vocab)
@@ -139,13 +139,11 @@ def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime, monkey
     engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
     policy = engine.scheduler.policy
     assert policy is not None
-    if regime == "dormant":  # fixed costs (the credit's arithmetic), then nothing accepted anywhere, calm
+    if regime == "dormant":
         monkeypatch.setattr(dormancy, "DORMANT_SHARE", 0.02)  # (a few requests pay for a probe)
-        _seed_plain_regime(policy)
-        _seed_position_one_failing(policy, n=80)
-        policy._next_explore = 10**9
-        policy.dormancy.calm = [dormancy.DORMANT_AFTER] * 2
-    (_seed_plain_regime if regime == "plain-regime" else _seed_position_one_failing)(policy)
+        _seed_dormant(policy)
+    else:
+        (_seed_plain_regime if regime == "plain-regime" else _seed_position_one_failing)(policy)
     out = greedy(engine, prompts, budgets)
     engine.check_integrity()
     assert policy.retirements == len(prompts), policy.summary()

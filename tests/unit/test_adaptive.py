@@ -310,17 +310,11 @@ def _simulate_phases(
                 elapsed += prefill_taps_s
             while left:
                 live = sorted(left)
-                if mode == "adaptive" and all(r in pol.retired for r in live):  # plain decode's own step: no
-                    elapsed += true.plain_s(len(live))  # policy, no cost sample (refengine/scheduler.py)
-                    for r in live:
-                        left[r] -= 1
-                        if left[r] <= 0:
-                            del left[r]
-                            pol.release(r)
-                    continue
-                want = {"plain": [1] * len(live), "fixed": [B] * len(live)}.get(mode) or pol.choose(
-                    live, [left[r] for r in live]
-                )
+                # every one retired: plain decode's own step, no policy, no cost sample (refengine/scheduler.py)
+                retired = mode == "adaptive" and all(r in pol.retired for r in live)
+                want = {"plain": [1] * len(live), "fixed": [B] * len(live)}.get(mode)
+                if want is None:
+                    want = [1] * len(live) if retired else pol.choose(live, [left[r] for r in live])
                 spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
                 drafted = sum(s > 1 for s in spans)
                 draft = true.draft_s(drafted)
@@ -331,8 +325,9 @@ def _simulate_phases(
                 draft += catch_up
                 rows = _graph_rows(len(live), sum(spans))
                 verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
-                elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" else 0.0)
-                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
+                elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" and not retired else 0.0)
+                if not retired:
+                    pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
                 for r, s in zip(live, spans):
                     p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
                     if switch is not None and tokens - left[r] >= switch[0]:

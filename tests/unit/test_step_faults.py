@@ -48,6 +48,18 @@ def _drain(engine, limit=200):
         assert engine.proposer.live_requests() == set(), "drafter contexts leaked"
 
 
+def _adaptive_at_tau1(pair):
+    """An adaptive CPU engine whose verifies accept nothing (the bench's tau1.0 profile: each commits the
+    target's own greedy token, so outputs stay exact), and its policy."""
+    from refengine import Engine, EngineConfig
+    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
+
+    config = EngineConfig(str(pair.target), draft_path=str(pair.draft), device="cpu", speculation="adaptive")
+    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
+    assert engine.scheduler.policy is not None
+    return engine, engine.scheduler.policy
+
+
 def _exact(reqs, refs, idx):
     for r, i in zip(reqs, idx):
         assert r.finish_reason is FinishReason.LENGTH, f"request {r.request_id}: {r.finish_reason} {r.message}"
@@ -129,16 +141,9 @@ def test_faults_around_retired_requests_are_lossless(random_pair, refs, point, a
     their decode step (plain decode's own) or in the probe step of a newcomer they ride along in (a verify
     with uncaptured rows) rolls back and retries like any other; the outputs stay exact, their stats
     complete, nothing leaks."""
-    from refengine import Engine, EngineConfig
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
     from tests.golden.test_lossless_adaptive import _seed_position_one_failing
 
-    config = EngineConfig(
-        str(random_pair.target), draft_path=str(random_pair.draft), device="cpu", speculation="adaptive"
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
-    assert policy is not None
+    engine, policy = _adaptive_at_tau1(random_pair)
     _seed_position_one_failing(policy)
     policy.cost.plain.updates = policy.cost.verify.updates = 1  # no calibration: probes, then retirement
     policy._next_explore = 10**9
@@ -160,21 +165,10 @@ def test_prefill_fault_undoes_a_dormant_admission(random_pair, refs):
     """A dormant adaptive policy (refengine/spec_decode/dormancy.py) retires new requests as they are admitted;
     a prefill that fails takes that back with the rest of the admission (no retired request waits, the
     scheduler's stats hold nothing for them), and the retry admits them again: exact outputs, nothing leaks."""
-    from refengine import Engine, EngineConfig
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-    from refengine.spec_decode.dormancy import DORMANT_AFTER
-    from tests.golden.test_lossless_adaptive import _seed_plain_regime, _seed_position_one_failing
+    from tests.golden.test_lossless_adaptive import _seed_dormant
 
-    config = EngineConfig(
-        str(random_pair.target), draft_path=str(random_pair.draft), device="cpu", speculation="adaptive"
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
-    assert policy is not None
-    _seed_plain_regime(policy)
-    _seed_position_one_failing(policy, n=80)
-    policy._next_explore = 10**9
-    policy.dormancy.calm = [DORMANT_AFTER] * 2
+    engine, policy = _adaptive_at_tau1(random_pair)
+    _seed_dormant(policy)
     inj = FaultInjector(engine, "prefill", at=0, after=True)
     reqs = [_add(engine, i) for i in range(3)]
     assert engine.step() == [] and inj.fired == 1
