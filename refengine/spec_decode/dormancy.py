@@ -8,17 +8,19 @@ more, one step a wave) is a verify of a probe block, before it retires. At Qwen3
 tau 1 that was a 2.4 ms prefill premium and a ~2 ms probe step on a 540 ms request at c1 (0.85%), and one
 verify step a wave at c8-c32 (0.35-0.55%): adaptive ran 0.98-0.99 of plain where nothing can be gained
 (docs/PERF.md, runs 89-91 and 96). Where the workload has shown nothing but that for DORMANT_AFTER first
-blocks in a row (none surprising: Retirement._surprising), the policy is dormant: a new request is admitted
+blocks in a row (none surprising: Retirement._surprising_by_kind), the policy is dormant: a new request is admitted
 retired (its prefill writes no taps, it holds no drafter context, it never drafts: plain decode's own path
 from its first step), except when the work admitted since the last probe pays for one: DORMANT_SHARE of
 that work's plain decode time, against the predicted cost of a probe step (AdaptivePolicy.admit). That
 request is probed as any new one (the probe sample does not pass it over), and its first block is the
-dormant policy's sentinel: a surprising block anywhere ends dormancy at once, and new requests are probed as
-before (each one in a small batch, a sample of them in a larger one) until DORMANT_AFTER calm first blocks
-again. So a stationary poor workload pays for its looks a few times DORMANT_SHARE (a probe's prefill premium
-and part of its step are not in the predicted cost: in simulation with the H200's costs 0.5% at c1 and c32
-against 1.0-1.1% without dormancy, tests/unit/test_dormancy.py), and a turn is seen within the work that
-pays for one probe (at Qwen3-4B shapes on the H200 about 4 requests of 128 tokens at c1, 3 waves at c32).
+dormant policy's sentinel: a surprising block anywhere ends dormancy at once, judged by each kind of batch's
+own rule (at c1 a block accepting position 1 can surprise while the same block is ordinary at c8-c32), and
+new requests are probed as before (each one in a small batch, a sample of them in a larger one) until
+DORMANT_AFTER calm first blocks again. So a stationary poor workload pays for its looks a few times
+DORMANT_SHARE (a probe's prefill premium and part of its step are not in the predicted cost: in simulation
+with the H200's costs 0.5% at c1 and c32 against 1.0-1.1% without dormancy, tests/unit/test_dormancy.py), and
+a turn is seen within the work that pays for one probe (at Qwen3-4B shapes on the H200 about 4 requests of
+128 tokens at c1, 3 waves at c32).
 
 Only at a batch size where the regime holds, and in a plain regime on calm blocks of its own kind of batch
 (smaller than PROBE_SAMPLE, or not; where position 1 fails everywhere, calm blocks of any): the trained tiny
@@ -56,18 +58,25 @@ class Dormancy:
         calm = sum(self.calm) if fails else self.calm[batch >= PROBE_SAMPLE]
         return calm >= DORMANT_AFTER
 
-    def observe_first_block(self, req_id: int, surprising: bool, retiring_batch: int | None) -> None:
+    def observe_first_block(self, req_id: int, surprising: tuple[bool, bool], retiring_batch: int | None) -> None:
         """A request's first block, drafted in a retirement regime at batch size `retiring_batch` (None: not
-        in one): calm grows while such blocks are in line."""
+        in one): calm grows while such blocks are in line, by the rule of the kind of batch it was drafted in
+        (`surprising`: by small batches' rule, by large ones'; the caller's surprise() resets the calm)."""
         self.due.discard(req_id)
-        if surprising:
-            self.surprise()
-        elif retiring_batch is not None:
-            self.calm[retiring_batch >= PROBE_SAMPLE] += 1
+        if retiring_batch is not None:
+            kind = retiring_batch >= PROBE_SAMPLE
+            if not surprising[kind]:
+                self.calm[kind] += 1
 
-    def surprise(self) -> None:
-        """A surprising block (first or later): no dormancy until DORMANT_AFTER calm first blocks again."""
-        self.calm, self.credit_s = [0, 0], 0.0
+    def surprise(self, small: bool, large: bool) -> None:
+        """A block (first or later) judged by each kind of batch's rule (Retirement._surprising_by_kind): a kind
+        it surprises is not dormant until DORMANT_AFTER calm first blocks again. A block surprising in large
+        batches surprises small ones too (their rule is the stricter)."""
+        if small:
+            self.calm[0] = 0
+            self.credit_s = 0.0
+        if large:
+            self.calm[1] = 0
 
     def admit(self, req_id: int, work_s: float, probe_s: float) -> bool:
         """While dormant, a new request whose work (`work_s`: its tokens at plain decode's time a token) joins

@@ -34,7 +34,7 @@ class Retirement(Exploration):
     last: Decision | None
     _tables: tuple[tuple, list[Table]] | None
     _spec_at: int
-    _surprise_at: tuple[int, int, tuple[int, int] | None]
+    _surprise_at: tuple[int, int, tuple[int, int] | None, bool]
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
     _retiring: int | None
 
@@ -149,22 +149,34 @@ class Retirement(Exploration):
         better mode after it (1.05 with surprises), at c32 0.77 (1.04), as the retired requests fed the
         population nothing. Small batches keep the rule: at c1 a lone request's block is all there is. Judged,
         as _surprise(), by what was known at the last decision (its batch size included)."""
+        by_kind = self._surprising_by_kind(accepted, first)  # (refreshes _surprise_at once a step)
+        return by_kind[self._surprise_at[3]]
+
+    def _surprising_by_kind(self, accepted: int, first: bool) -> tuple[bool, bool]:
+        """Whether the block is a surprise by the rule of a batch smaller than PROBE_SAMPLE, and by that of a
+        larger one (the odds, while nothing is known to fail). Dormancy keeps its calm by kind of batch and
+        loses each by its own rule: a first block at c1 accepting position 1 (a surprise there while position 2
+        is not yet known to fail) is an ordinary block at c8-c32, where the bench's tau 1.3 profile (position 1
+        in 30% of blocks) had 18 calm first blocks reset by one such block at c1, and the c8 cell then probed
+        every wave (simulation, docs/PERF.md twenty-first session)."""
         least = self._surprise()
         rare = self._surprise_at[2]
-        return accepted >= least and (rare is None or accepted >= rare[0 if first else 1])
+        small = accepted >= least
+        return small, small and (rare is None or accepted >= rare[0 if first else 1])
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at
         the last decision: a step's blocks are judged by what was known when they were drafted, and it is
         computed once a step (per observation it was 4.6x the cost of observing: 11 against 2.4 us, dev CPU).
-        With it, once a step, the rare counts of first and later blocks _surprising reads in a large batch
-        where nothing is known to fail (else None)."""
+        With it, once a step, the rare counts of first and later blocks large batches' rule reads where nothing is
+        known to fail (else None), and whether the last choice's batch was a large one."""
         if self._surprise_at[0] != self.steps:
             est = self.estimates
             fails = min(est.failing_span(), est.failing_span(later=True))
             batch = len(self.last.spans) if self.last is not None else 0  # the last choice's requests
             rare = None
-            if fails >= self.block_size and batch >= PROBE_SAMPLE:
+            if fails >= self.block_size:
                 rare = (est.unlikely_count(True, SURPRISE_ODDS), est.unlikely_count(False, SURPRISE_ODDS))
-            self._surprise_at = (self.steps, fails - 1 if fails < self.block_size else 1, rare)
+            least = fails - 1 if fails < self.block_size else 1
+            self._surprise_at = (self.steps, least, rare, batch >= PROBE_SAMPLE)
         return self._surprise_at[1]

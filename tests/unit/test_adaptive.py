@@ -270,6 +270,7 @@ def _simulate_phases(
     seeded: bool = False,
     prefill_taps_s: float = 0.0,
     taps_s: float = 0.0,
+    policies: list | None = None,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -285,10 +286,12 @@ def _simulate_phases(
     costs this more (fixed spans' always; adaptive's unless a dormant policy admitted all of them retired);
     `taps_s`: a plain step of adaptive's with any unretired request runs the decode graph with taps, this
     much dearer than plain decode's own (the H200: ~2.4 ms a 128-token prefill at c1, run 96; 0.4-1.3% of a
-    decode step, run 55)."""
+    decode step, run 55). `policies`: the adaptive policy is appended to it (its stats, for the caller)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
+    if policies is not None:
+        policies.append(pol)
     if seeded:
         for b in batch_buckets(32):
             pol.cost.seed("plain", b, true.plain_s(b))

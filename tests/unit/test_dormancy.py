@@ -16,7 +16,7 @@ import pytest
 
 from refengine.spec_decode.acceptance_profile import parse_profile
 from refengine.spec_decode.adaptive import AdaptivePolicy
-from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_SHARE
+from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_SHARE, Dormancy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from tests.unit.test_adaptive import _later_blocks_fail_too, _policy_with_failing_first_blocks, _simulate_phases
 
@@ -125,3 +125,34 @@ def test_dormancy_takes_the_looks_off_a_settled_poor_workload(concurrency, waves
     kw = dict(catch_up_fixed_s=0.62e-3, catch_up_row_s=0.68e-6, seeded=True, prefill_taps_s=2.4e-3, taps_s=0.04e-3)
     adaptive, plain = (_simulate_phases(m, phases, **kw)[-1] for m in ("adaptive", "plain"))
     assert adaptive >= 0.994 * plain, f"adaptive {adaptive:.1f}, plain {plain:.1f} tok/s ({adaptive / plain:.4f})"
+
+
+def test_a_block_ordinary_in_large_batches_keeps_their_calm():
+    # the bench's tau 1.3 profile (position 1 accepted in 30% of blocks, position 2 never) in its cells' order:
+    # a c32 settle, then c1, then c8. At c1, while position 2 is not yet known to fail, a block accepting
+    # position 1 is a surprise (small batches' rule); at c8-c32 it is an ordinary block (the odds rule). It
+    # used to reset the calm of both kinds, and the c8 cell then probed a sample of every wave: 0.9918 of
+    # plain; with calm kept by each kind's own rule 0.9988
+    profile = parse_profile("tau1.3")
+    draw = lambda rng, span: profile.draw(rng, span)  # noqa: E731
+    kw = dict(catch_up_fixed_s=0.62e-3, catch_up_row_s=0.68e-6, seeded=True, prefill_taps_s=2.4e-3, taps_s=0.04e-3)
+    phases = [(32, draw, 18, 128), (1, draw, 7, 128), (8, draw, 7, 128)]
+    policies: list[AdaptivePolicy] = []
+    adaptive = _simulate_phases("adaptive", phases, policies=policies, **kw)
+    plain = _simulate_phases("plain", phases, **kw)
+    dormant = policies[0].summary()["dormant"]
+    ratio = adaptive[-1] / plain[-1]
+    got = f"adaptive {adaptive[-1]:.1f}, plain {plain[-1]:.1f} tok/s ({ratio:.4f})"
+    assert ratio >= 0.996, f"c8 after c1: {got}, {dormant}"
+    assert dormant["admitted"] >= 7 * 8 - 8, f"the c8 cell was not dormant: {dormant}"
+
+
+def test_each_kind_of_batch_loses_its_calm_by_its_own_rule():
+    d = Dormancy(calm=[DORMANT_AFTER, DORMANT_AFTER])
+    d.observe_first_block(1, (True, False), retiring_batch=PROBE_SAMPLE)  # ordinary in a large batch
+    d.surprise(True, False)
+    assert d.calm == [0, DORMANT_AFTER + 1], f"calm {d.calm}: a surprise by small batches' rule only"
+    d.observe_first_block(2, (False, False), retiring_batch=1)
+    assert d.calm == [1, DORMANT_AFTER + 1], d.calm
+    d.surprise(True, True)
+    assert d.calm == [0, 0], f"calm {d.calm}: a block past large batches' odds surprises both"
