@@ -86,7 +86,8 @@ def add_bench_parser(sub) -> None:
         "--paired",
         action="store_true",
         help="every mode against plain in one process, run by run, with a second plain engine as the control "
-        "(refengine/bench/paired.py; the resolution for ratios near 1)",
+        "(refengine/bench/paired.py; the resolution for ratios near 1); rounds in a balanced order: --repeats a "
+        "multiple of the engines' count (twice it when odd) balances each row",
     )
     p.add_argument(
         "--own-weights",

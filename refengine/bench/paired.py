@@ -5,10 +5,10 @@ The default bench measures each mode in a fresh process, so a ratio between two 
 between processes: the same plain engine ran 5-11% apart from one process to the next on the H200 (docs/
 PERF.md, runs 58-65), far more than adaptive's distance from plain where speculation cannot win (tau 1, 1.3).
 Here one process holds plain, a second plain engine (the control) and each requested mode; each cell's
-`repeats` rounds run every engine once, the order rotating from round to round, and each run's
+`repeats` rounds run every engine once, in the orders of a Williams design (round_order), and each run's
 `paired_x_plain` is its tok/s over the plain engine's in the same round. The control's `paired_x_plain` is the
 method's own resolution: two identical engines differ by it (their weights and graphs at other addresses,
-their turn in the rotation), so a mode whose ratio to plain lies within the control's spread of 1 is not
+their place in the round), so a mode whose ratio to plain lies within the control's spread of 1 is not
 distinguishable from plain here. The price: engines side by side run a little slower than one alone (the
 sixth session's finding), equally for all of them as far as the control shows.
 
@@ -17,6 +17,13 @@ process then holds one 8 GB copy at Qwen3-4B shapes instead of one per engine. I
 between engines: five plain engines of one process, three of them on one copy, ran their c1 decode steps at
 4.04-4.18 ms (medians of 10 rounds; the three sharing 4.04-4.11), so what sets two engines apart is not where
 their weights sit (docs/PERF.md, nineteenth session).
+
+Why a Williams design: with the order only rotating, each engine always ran right after the same other
+one, and where a run's speed depends on the run before it, that bias is the same in every round: the trained
+tiny pair's control read 1.035-1.061 of plain at c32 in three H200 runs of 6 rounds (docs/PERF.md, twentieth
+session), each of its rounds but the first-in-turn ones right after plain's run. Over a cycle of n rounds
+(2n for an odd number of engines) each engine runs in each place and right after each other engine equally
+often; `repeats` a multiple of the cycle balances the row (the JSON's `rounds_balanced`).
 
 Plain and the control run in every profile's rounds (the pairs need them); their rows gather all of those.
 Adaptive settles again under each profile after the first, as in the default method.
@@ -35,8 +42,8 @@ from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 CONTROL = "control (a second plain engine)"  # the control rows' acceptance label (mode "plain")
 METHOD_PAIRED = (
     "paired: plain, a second plain engine (the control) and each mode in one process, settled, then each"
-    " profile's cells in rounds, every engine once a round in rotating order (adaptive settled again under each"
-    " later profile); paired_x_plain = a run's tok/s / plain's in its round"
+    " profile's cells in rounds, every engine once a round in a Williams design's order (adaptive settled again"
+    " under each later profile); paired_x_plain = a run's tok/s / plain's in its round"
 )
 
 
@@ -82,7 +89,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                 if e.scheduler.policy is not None:
                     e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
             for r in range(j.repeats):
-                order = names[r % len(names) :] + names[: r % len(names)]  # each engine first in turn
+                order = round_order(names, r)  # balanced for place and predecessor (module docstring)
                 got = {}
                 for name in order:
                     got[name] = measure_row(
@@ -110,4 +117,30 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
     e = None  # the loops' last engine too: every one freed before the peer (or the next engines) loads
     free_memory(j.device)
     out["runs"] = runs
+    out["rounds_balanced"] = j.repeats % order_cycle(len(names)) == 0
     return out
+
+
+def order_cycle(n: int) -> int:
+    """Rounds after which round_order has balanced n engines' places and predecessors."""
+    return n if n % 2 == 0 else 2 * n
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round r's order of the engines: row r of a Williams design, the Latin square whose first row is
+    0, 1, n-1, 2, n-2, ... and each next row that one plus 1 (mod n); for odd n the mirrored rows follow.
+    Over order_cycle(n) rounds each engine runs in each place, and right after each other engine, equally
+    often (a first-order carry-over balanced design)."""
+    n = len(names)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    k = r % order_cycle(n)
+    row = [(x + k) % n for x in first]
+    if k >= n:  # odd n: the mirror image of row k - n
+        row.reverse()
+    return [names[i] for i in row]

@@ -294,9 +294,27 @@ def test_bench_cli_isolate_runs_each_mode_in_a_fresh_process():
     assert res["method"] == METHOD_ISOLATED and {r["mode"] for r in res["rows"]} == {"plain", "dflash", "adaptive"}
 
 
-def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys, monkeypatch):
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_paired_round_orders_balance_places_and_predecessors(n):
+    """round_order over a cycle: each engine in each place, and right after each other engine, equally often
+    (with the order only rotating, each engine always followed the same one)."""
+    from collections import Counter
+
+    from refengine.bench.paired import order_cycle, round_order
+
+    names = [f"e{i}" for i in range(n)]
+    cycle = [round_order(names, r) for r in range(order_cycle(n))]
+    assert all(sorted(o) == names for o in cycle), cycle
+    places = Counter((i, e) for o in cycle for i, e in enumerate(o))
+    after = Counter((a, b) for o in cycle for a, b in zip(o, o[1:]))
+    assert set(places.values()) == {len(cycle) // n} and len(places) == n * n, f"places {places}"
+    assert set(after.values()) == {len(cycle) // n} and len(after) == n * (n - 1), f"predecessors {after}"
+    assert round_order(names, len(cycle)) == cycle[0], "the design repeats after a cycle"
+
+
+def test_bench_paired_rounds_are_balanced_and_ratio_to_plain_in_the_same_round(capsys, monkeypatch):
     """`--paired`: plain, a second plain engine (the control) and each mode in one process; every round runs
-    each engine once, the first engine rotating; each run's paired_x_plain is its tok/s over plain's run in
+    each engine once, in round_order's balanced order; each run's paired_x_plain is its tok/s over plain's run in
     the same round, a row's is the median with the interquartile range; plain and the control run in every
     profile's rounds; --paired without plain fails with a message."""
     import statistics
@@ -324,8 +342,8 @@ def test_bench_paired_rounds_rotate_and_ratio_to_plain_in_the_same_round(capsys,
     for k, rnd in enumerate(rounds):
         profile = ("tau1", "tau3")[k // 6]
         engines = [*names, ("adaptive", f"profile {profile}")]
-        shift = k % 3
-        assert [x[:2] for x in rnd] == engines[shift:] + engines[:shift], f"round {k}: {rnd}"
+        assert [x[:2] for x in rnd] == paired.round_order(engines, k % 3), f"round {k}: {rnd}"
+    assert res["rounds_balanced"] is False, "3 repeats of 3 engines: the design's cycle is 6 rounds"
     rows = {(r["mode"], r["acceptance"], r["concurrency"]): r for r in res["rows"]}
     for c in (1, 2):
         assert rows[("plain", "-", c)]["repeats"] == 6 and "paired_x_plain" not in rows[("plain", "-", c)]
