@@ -94,6 +94,13 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="--paired: each engine loads its own copy of the target's weights (default: one copy, shared)",
     )
+    p.add_argument(
+        "--arrivals",
+        choices=["wave", "steady"],
+        default="wave",
+        help="wave: a cell's c requests submitted together, run to the last; steady: 4 x c requests, c in flight, "
+        "the next submitted as one finishes (a server at constant concurrency; engine rows only)",
+    )
     p.add_argument("--peer", choices=["hf"], default=None, help="also measure HF transformers generate")
     p.add_argument("--peer-compile", action="store_true", help="HF peer with static cache + torch.compile")
     p.add_argument(
@@ -161,11 +168,12 @@ def _cmd(args) -> int:
         processes=args.processes,
         paired=args.paired,
         share_weights=not args.own_weights,
+        arrivals=args.arrivals,
     )
     print_table(
         res["rows"],
         f"refengine bench: {target} ({device}, {args.prompts} prompts, "
-        f"{args.output_tokens} new tokens, median of {args.repeats * args.processes})",
+        f"{args.output_tokens} new tokens, {args.arrivals} arrivals, median of {args.repeats * args.processes})",
     )
     text = json.dumps(res)
     if args.output:

@@ -83,9 +83,9 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                 settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
             labels[name] = CONTROL if name == "control" else row_label(mode, override, j.synthetic)
         for c in j.concurrency:
-            batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
+            batch, in_flight = j.cell_prompts(c, vocab)
             for e in engines.values():
-                run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+                run_once(e, batch[:c], min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
                 if e.scheduler.policy is not None:
                     e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
             for r in range(j.repeats):
@@ -101,6 +101,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                         floor,
                         own_bytes,
                         j.bandwidth,
+                        in_flight,
                     )
                 base = got["plain"]["tok_per_s"]
                 for name, row in got.items():
@@ -110,7 +111,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                 bar.update()
             if j.profile_ops and c == j.concurrency[0]:
                 for name, e in engines.items():
-                    print_profile(e, batch, min(j.output_tokens, 16), f"{name} {labels[name]} c={c}")
+                    print_profile(e, batch[:c], min(j.output_tokens, 16), f"{name} {labels[name]} c={c}")
     bar.close()
     for name in list(engines):
         engines.pop(name).close()

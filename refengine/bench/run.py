@@ -96,19 +96,30 @@ def drafter_weight_bytes(drafter) -> int:
     return tensor_bytes(drafter.fc, drafter.hidden_norm, drafter.layers, drafter.norm, drafter.lm_head)
 
 
-def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, Any]:
-    """Submit every prompt together, step to completion timing each step; fail on rejection / no tokens."""
+def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: int | None = None) -> dict[str, Any]:
+    """Submit every prompt together (`in_flight` None: a wave), or keep `in_flight` of them running, the next
+    one submitted as one finishes (steady arrivals: ARRIVALS); step to completion timing each step; fail on
+    rejection / no tokens."""
     device = str(engine.target.device)
     params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
+    queue = list(prompts)
+    reqs: list = []
+
+    def submit(n: int) -> None:
+        new = [engine.add_request(p, params) for p in queue[:n]]
+        del queue[:n]
+        bad = [r for r in new if r.reject_reason is not None]
+        if bad:
+            raise BenchError(
+                f"{len(bad)} of {len(new)} bench requests were rejected ({bad[0].reject_reason.value}): "
+                f"{bad[0].message}"
+            )
+        reqs.extend(new)
+
     _sync(device)
     t0 = time.perf_counter()
-    reqs = [engine.add_request(p, params) for p in prompts]
-    bad = [r for r in reqs if r.reject_reason is not None]
-    if bad:
-        raise BenchError(
-            f"{len(bad)} of {len(reqs)} bench requests were rejected ({bad[0].reject_reason.value}): {bad[0].message}"
-        )
+    submit(len(queue) if in_flight is None else in_flight)
     step_wall = 0.0
     kinds: Counter = Counter()  # plan kind -> steps
     kind_wall: dict[str, float] = dict.fromkeys(PLAN_KINDS, 0.0)  # plan kind -> wall seconds of its steps
@@ -121,6 +132,8 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int) -> dict[str, 
             kind = plan_kind(engine.last_plan)
             kinds[kind] += 1
             kind_wall[kind] += dt
+        if queue:  # steady arrivals: as many new requests as finished (host work outside the timed steps)
+            submit(sum(r.finished for r in reqs) + in_flight - len(reqs))
     _sync(device)
     secs = time.perf_counter() - t0
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
@@ -154,9 +167,10 @@ def measure_row(
     floor: float,
     own_bytes: int,
     bandwidth: float,
+    in_flight: int | None = None,
 ) -> dict[str, Any]:
-    r = run_once(engine, prompts, output_tokens)
-    c, secs, t, plans = len(prompts), r["seconds"], r["timings"], r["plans"]
+    r = run_once(engine, prompts, output_tokens, in_flight)
+    c, secs, t, plans = in_flight or len(prompts), r["seconds"], r["timings"], r["plans"]
     row: dict[str, Any] = {
         "mode": mode,
         "acceptance": acceptance,

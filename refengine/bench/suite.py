@@ -60,6 +60,11 @@ METHOD_IN_PROCESS = (
     " settled again under each later profile), freed"
 )
 SETTLE_S = 15.0  # CUDA: seconds of load before the first measured run
+# --arrivals: `wave`, a cell's c requests submitted together and run to the last (the default since the first
+# session); `steady`, STEADY_ROUNDS x c requests, c of them in flight, the next submitted as one finishes (a
+# server at constant concurrency: arrivals meet requests mid-generation, and no cell ends on one wave's tail)
+ARRIVALS = ("wave", "steady")
+STEADY_ROUNDS = 4
 
 
 def bench(
@@ -86,6 +91,7 @@ def bench(
     processes: int = 1,
     paired: bool = False,
     share_weights: bool = True,
+    arrivals: str = "wave",
 ) -> dict[str, Any]:
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
@@ -96,6 +102,10 @@ def bench(
     copy of the target's weights."""
     from tqdm import tqdm
 
+    if arrivals not in ARRIVALS:
+        raise BenchError(f"arrivals {arrivals!r}: use one of {', '.join(ARRIVALS)}")
+    if peer and arrivals != "wave":
+        raise BenchError("--peer hf runs HF generate on waves of prompts: give it --arrivals wave")
     isolate = device.startswith("cuda") if isolate is None else isolate
     if processes < 1 or (processes > 1 and not isolate):
         raise BenchError(f"processes={processes}: give 1, or more with each mode in a fresh process (isolate)")
@@ -146,6 +156,7 @@ def bench(
         settle_s=settle,
         bandwidth=bandwidth,
         share_weights=share_weights,
+        arrivals=arrivals,
     )
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
@@ -172,6 +183,7 @@ def bench(
     if paired:
         results["weights"] = "shared" if share_weights else "one copy per engine"
     results["processes"] = processes
+    results["arrivals"] = arrivals if arrivals == "wave" else f"steady: {STEADY_ROUNDS} x c requests, c in flight"
     results["rows"] = [_row(per_process) for per_process in runs.values()]
     if peer:
         bar = tqdm(total=len(concurrency) * repeats, desc="bench hf", unit="run", file=sys.stderr)
@@ -214,6 +226,13 @@ class ModeJob:
     settle_s: float
     bandwidth: float  # measured copy bandwidth, bytes/s: the floors
     share_weights: bool = True  # paired: the engines of a process read one copy of the target's weights
+    arrivals: str = "wave"  # ARRIVALS
+
+    def cell_prompts(self, c: int, vocab: int) -> tuple[list[list[int]], int | None]:
+        """A cell's prompts and how many run at once (None: all, a wave)."""
+        if self.arrivals == "steady":
+            return make_prompts(self.prompts, c * STEADY_ROUNDS, self.prompt_len, vocab, self.target, self.seed), c
+        return make_prompts(self.prompts, c, self.prompt_len, vocab, self.target, self.seed), None
 
 
 def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
@@ -247,16 +266,16 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
             settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
         label = row_label(mode, override, j.synthetic)
         for c in j.concurrency:
-            batch = make_prompts(j.prompts, c, j.prompt_len, vocab, j.target, j.seed)
-            run_once(e, batch, min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
+            batch, in_flight = j.cell_prompts(c, vocab)
+            run_once(e, batch[:c], min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
             if e.scheduler.policy is not None:
                 e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
             for _ in range(j.repeats):
-                row = measure_row(e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth)
+                row = measure_row(e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth, in_flight)
                 runs.setdefault((mode, label, c), []).append(row)
                 bar.update()
             if j.profile_ops and c == j.concurrency[0]:
-                print_profile(e, batch, min(j.output_tokens, 16), f"{mode} {label} c={c}")
+                print_profile(e, batch[:c], min(j.output_tokens, 16), f"{mode} {label} c={c}")
     bar.close()
     e.close()
     del e  # in-process: freed before the next mode's engine (or the peer) loads its own copy of the weights

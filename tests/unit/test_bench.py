@@ -3,8 +3,9 @@ the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fi
 steps and wall time by step kind), that a rejected request fails the run (exit 2 and a message), that a
 profile run labels every speculating row and reproduces the profile's tau, that each mode's engine runs alone
 (freed before the next loads; plain once per concurrency) and settles with runs of the measured length (a short
---output-tokens fits its context cap), the paired method (rounds rotating, ratios to
-plain in the same round, the control), the bundled prompt sets, and the HF peer row.
+--output-tokens fits its context cap), the paired method (rounds in a balanced order, ratios to
+plain in the same round, the control), steady arrivals (c requests in flight), the bundled prompt sets, and the
+HF peer row.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -391,3 +392,53 @@ def test_bench_adaptive_shadow_mode_runs_adaptive_with_shadow_probes(capsys, mon
     assert "adaptive-shadow" not in suite.MODES
     rc, _, err = _bench(capsys, *RANDOM, "--modes", "plain,adaptive-bogus")
     assert rc == 2 and "adaptive-shadow" in err, err[-300:]
+
+
+def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
+    """`--arrivals steady`: a cell's run submits STEADY_ROUNDS x c requests, c of them at first and the next one as
+    one finishes, so at most c are ever unfinished and the row's concurrency is c; waves (the default) submit
+    the cell's c requests together. The JSON says which; the HF peer (waves of generate) is refused with it."""
+    from collections import Counter
+
+    from refengine.bench import run as bench_run
+    from refengine.bench.suite import STEADY_ROUNDS
+
+    submitted: list[tuple[int, int]] = []  # (run, unfinished requests after this submission)
+    live: list = []
+    runs = [0]
+    once = bench_run.run_once
+
+    def spy_run_once(engine, prompts, output_tokens, in_flight=None):
+        runs[0] += 1
+        live.clear()
+        add = engine.add_request
+
+        def spy_add(prompt, params):
+            req = add(prompt, params)
+            live.append(req)
+            submitted.append((runs[0], sum(not r.finished for r in live)))
+            return req
+
+        monkeypatch.setattr(engine, "add_request", spy_add)
+        try:
+            return once(engine, prompts, output_tokens, in_flight)
+        finally:
+            monkeypatch.setattr(engine, "add_request", add)
+
+    monkeypatch.setattr(bench_run, "run_once", spy_run_once)
+    monkeypatch.setattr("refengine.bench.suite.run_once", spy_run_once)
+    argv = [*RANDOM, "--modes", "plain", "--concurrency", "2", "--output-tokens", "3", "--repeats", "2"]
+    rc, res, err = _bench(capsys, *argv, "--arrivals", "steady")
+    assert rc == 0 and res is not None, err[-2000:]
+    assert res["arrivals"].startswith("steady"), res["arrivals"]
+    per_run = Counter(r for r, _ in submitted)  # run -> requests submitted
+    measured = [k for k, n in per_run.items() if n == 2 * STEADY_ROUNDS]
+    assert len(measured) == 2, f"runs of {2 * STEADY_ROUNDS} requests: {measured}, requests a run {dict(per_run)}"
+    worst = max(n for r, n in submitted if r in measured)
+    assert worst <= 2, f"{worst} requests unfinished at once with --concurrency 2"
+    (row,) = res["rows"]
+    assert row["concurrency"] == 2 and row["tokens"] == 2 * STEADY_ROUNDS * 3, row
+    rc, res, err = _bench(capsys, *argv)
+    assert rc == 0 and res is not None and res["arrivals"] == "wave" and res["rows"][0]["tokens"] == 2 * 3, err[-500:]
+    rc, _, err = _bench(capsys, *argv, "--arrivals", "steady", "--peer", "hf")
+    assert rc == 2 and "--arrivals wave" in err, err[-500:]
