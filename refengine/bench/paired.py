@@ -34,9 +34,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from refengine.bench.job import ModeJob, job_own_bytes, job_profiles
 from refengine.bench.prompts import make_prompts
 from refengine.bench.run import measure_row, print_profile, row_label, run_once, set_override, settle_engine
-from refengine.bench.suite import ModeJob, free_memory, job_own_bytes, job_profiles, load_engine
+from refengine.bench.suite import free_memory, load_engine
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
 CONTROL = "control (a second plain engine)"  # the control rows' acceptance label (mode "plain")

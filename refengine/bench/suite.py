@@ -23,11 +23,11 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from refengine.bench.job import ARRIVALS, STEADY_ROUNDS, ModeJob, job_own_bytes, job_profiles
 from refengine.bench.peer_hf import peer_rows
 from refengine.bench.prompts import make_prompts
 from refengine.bench.report import aggregate
@@ -60,11 +60,6 @@ METHOD_IN_PROCESS = (
     " settled again under each later profile), freed"
 )
 SETTLE_S = 15.0  # CUDA: seconds of load before the first measured run
-# --arrivals: `wave`, a cell's c requests submitted together and run to the last (the default since the first
-# session); `steady`, STEADY_ROUNDS x c requests, c of them in flight, the next submitted as one finishes (a
-# server at constant concurrency: arrivals meet requests mid-generation, and no cell ends on one wave's tail)
-ARRIVALS = ("wave", "steady")
-STEADY_ROUNDS = 4
 
 
 def bench(
@@ -204,37 +199,6 @@ def _row(per_process: list[list[dict[str, Any]]]) -> dict[str, Any]:
     return row
 
 
-@dataclass(frozen=True)
-class ModeJob:
-    """What one mode's measurement needs (pickled to a fresh process on CUDA); bench() validates the inputs."""
-
-    target: str
-    draft: str | None
-    device: str
-    synthetic: bool
-    concurrency: tuple[int, ...]
-    prompt_len: int
-    output_tokens: int
-    repeats: int
-    profiles: tuple[str, ...]
-    prompts: str
-    context: int  # the engine's max_model_len
-    blocks: int  # its KV pool
-    seed: int
-    profile_ops: bool
-    graph_mode: str | None
-    settle_s: float
-    bandwidth: float  # measured copy bandwidth, bytes/s: the floors
-    share_weights: bool = True  # paired: the engines of a process read one copy of the target's weights
-    arrivals: str = "wave"  # ARRIVALS
-
-    def cell_prompts(self, c: int, vocab: int) -> tuple[list[list[int]], int | None]:
-        """A cell's prompts and how many run at once (None: all, a wave)."""
-        if self.arrivals == "steady":
-            return make_prompts(self.prompts, c * STEADY_ROUNDS, self.prompt_len, vocab, self.target, self.seed), c
-        return make_prompts(self.prompts, c, self.prompt_len, vocab, self.target, self.seed), None
-
-
 def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     """One mode's engine: load, capture every graph shape, settle, then each profile's cells by concurrency
     (adaptive settles again under each profile after the first: run after another profile's cells, its
@@ -284,11 +248,6 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     return out
 
 
-def job_profiles(j: ModeJob) -> list[AcceptanceProfile | None]:
-    """The job's acceptance profiles in order ([None]: the drafter's own acceptance)."""
-    return [parse_profile(p) for p in j.profiles] or [None]
-
-
 def load_engine(
     mode: str, j: ModeJob, first: AcceptanceProfile | None, shared_target: Any = None
 ) -> tuple[Any, dict[str, Any]]:
@@ -317,11 +276,6 @@ def load_engine(
     if e.drafter is not None:
         out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
     return e, out
-
-
-def job_own_bytes(facts: dict[str, Any]) -> int:
-    """Target plus drafter weight bytes (DFlash's own memory-bound ideal)."""
-    return int(facts["target_weight_bytes"] + facts.get("drafter_weight_bytes", 0))
 
 
 def free_memory(device: str) -> None:

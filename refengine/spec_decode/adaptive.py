@@ -88,8 +88,8 @@ class AdaptivePolicy(Retirement, ShadowChoice):
     _decisions_before: int = 0
     _version: int = 0  # bumped by every acceptance observation (the cached plain decision is then stale)
     _cache_key: tuple | None = None
-    _surprise_at: tuple[int, int, tuple[int, int] | None, bool] = (-1, 1, None, False)  # (steps, _surprise(), rare
-    # counts, a large batch) then
+    # (steps, _surprise(), rare counts, whether the batch was large) as known at the last decision
+    _surprise_at: tuple[int, int, tuple[int, int] | None, bool] = (-1, 1, None, False)
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
@@ -274,7 +274,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
         surprising = self._surprising(accepted, first)  # past what the workload accepts: no plain regime yet
-        by_kind = self._surprising_by_kind(accepted, first)  # (small batches' rule, large ones'): dormancy's
+        by_kind = self._surprising_by_kind(accepted, first)  # (small batches' rule, large ones'): dormancy's calm
         if first:
             self.sample.observe_first_block(surprising)
             self.dormancy.observe_first_block(req_id, by_kind, self._retiring)

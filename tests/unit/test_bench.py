@@ -401,7 +401,7 @@ def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
     from collections import Counter
 
     from refengine.bench import run as bench_run
-    from refengine.bench.suite import STEADY_ROUNDS
+    from refengine.bench.job import STEADY_ROUNDS
 
     submitted: list[tuple[int, int]] = []  # (run, unfinished requests after this submission)
     live: list = []
