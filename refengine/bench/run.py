@@ -105,6 +105,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
     queue = list(prompts)
     reqs: list = []
+    running: list = []  # steady arrivals: the submitted requests not yet finished
 
     def submit(n: int) -> None:
         new = [engine.add_request(p, params) for p in queue[:n]]
@@ -116,6 +117,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
                 f"{bad[0].message}"
             )
         reqs.extend(new)
+        running.extend(new)
 
     _sync(device)
     t0 = time.perf_counter()
@@ -132,8 +134,9 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
             kind = plan_kind(engine.last_plan)
             kinds[kind] += 1
             kind_wall[kind] += dt
-        if queue:  # steady arrivals: as many new requests as finished (host work outside the timed steps)
-            submit(sum(r.finished for r in reqs) + in_flight - len(reqs))
+        if in_flight is not None and queue:  # steady arrivals: as many new requests as finished (host work)
+            running[:] = [r for r in running if not r.finished]
+            submit(in_flight - len(running))
     _sync(device)
     secs = time.perf_counter() - t0
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}

@@ -273,8 +273,8 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
-        surprising = self._surprising(accepted, first)  # past what the workload accepts: no plain regime yet
         by_kind = self._surprising_by_kind(accepted, first)  # (small batches' rule, large ones'): dormancy's calm
+        surprising = self._surprising(accepted, first, by_kind)  # past what the workload accepts: no plain regime
         if first:
             self.sample.observe_first_block(surprising)
             self.dormancy.observe_first_block(req_id, by_kind, self._retiring)

@@ -143,8 +143,9 @@ class Retirement(Exploration):
             return False
         return est.population_rates()[0] < SHORT_PROBE_RATE
 
-    def _surprising(self, accepted: int, first: bool) -> bool:
-        """A block (`first`: a request's first) accepting `accepted` drafts is a surprise: no plain regime for
+    def _surprising(self, accepted: int, first: bool, by_kind: tuple[bool, bool] | None = None) -> bool:
+        """A block (`first`: a request's first) accepting `accepted` drafts is a surprise (`by_kind`:
+        _surprising_by_kind's verdicts on it, when the caller has them): no plain regime for
         RETIRE_AFTER decisions after it, and a passed-over request does not retire on it. It accepted _surprise()
         or more; in a batch of PROBE_SAMPLE or more while no position is known to fail (first or later blocks),
         as many drafts as blocks of its kind reach in under SURPRISE_ODDS of cases (unlikely_count).
@@ -158,8 +159,9 @@ class Retirement(Exploration):
         better mode after it (1.05 with surprises), at c32 0.77 (1.04), as the retired requests fed the
         population nothing. Small batches keep the rule: at c1 a lone request's block is all there is. Judged,
         as _surprise(), by what was known at the last decision (its batch size included)."""
-        by_kind = self._surprising_by_kind(accepted, first)  # (refreshes _surprise_at once a step)
-        return by_kind[self._surprise_at[3]]
+        if by_kind is None:
+            by_kind = self._surprising_by_kind(accepted, first)
+        return by_kind[self._surprise_at[3]]  # by the rule of the last decision's kind of batch
 
     def _surprising_by_kind(self, accepted: int, first: bool) -> tuple[bool, bool]:
         """Whether the block is a surprise by the rule of a batch smaller than PROBE_SAMPLE, and by that of a

@@ -271,6 +271,7 @@ def _simulate_phases(
     prefill_taps_s: float = 0.0,
     taps_s: float = 0.0,
     policies: list | None = None,
+    steady: bool = False,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -286,7 +287,9 @@ def _simulate_phases(
     costs this more (fixed spans' always; adaptive's unless a dormant policy admitted all of them retired);
     `taps_s`: a plain step of adaptive's with any unretired request runs the decode graph with taps, this
     much dearer than plain decode's own (the H200: ~2.4 ms a 128-token prefill at c1, run 96; 0.4-1.3% of a
-    decode step, run 55). `policies`: the adaptive policy is appended to it (its stats, for the caller)."""
+    decode step, run 55). `policies`: the adaptive policy is appended to it (its stats, for the caller).
+    `steady`: a phase's waves x concurrency requests arrive as slots free up, `concurrency` in flight (each
+    arrival its own prefill), instead of in waves that start together (`refengine bench --arrivals steady`)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(1)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -302,52 +305,54 @@ def _simulate_phases(
     carried: dict[int, int] = {}  # req -> context rows since its last draft
     pol.pending = lambda r: carried.get(r, 128)  # as the lane counts them (a prompt of 128 rows at first)
     for concurrency, p_accept, waves, tokens in phases:
-        elapsed = 0.0
-        for _ in range(waves):
-            left = dict.fromkeys(range(rid, rid + concurrency), tokens)
-            rid += concurrency
-            if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits requests retired
-                for r in left:
-                    pol.admit(r, tokens, 128, concurrency)
-            if mode == "fixed" or (mode == "adaptive" and any(r not in pol.retired for r in left)):
-                elapsed += prefill_taps_s
-            while left:
-                live = sorted(left)
-                # every one retired: plain decode's own step, no policy, no cost sample (refengine/scheduler.py)
-                retired = mode == "adaptive" and all(r in pol.retired for r in live)
-                want = {"plain": [1] * len(live), "fixed": [B] * len(live)}.get(mode)
-                if want is None:
-                    want = [1] * len(live) if retired else pol.choose(live, [left[r] for r in live])
-                spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
-                drafted = sum(s > 1 for s in spans)
-                draft = true.draft_s(drafted)
-                rows_carried = [carried.get(r, 128) for r, s in zip(live, spans) if s > 1]
-                catch_up = 0.0
-                if rows_carried and max(rows_carried) > B:
-                    catch_up = catch_up_fixed_s + catch_up_row_s * sum(rows_carried)
-                draft += catch_up
-                rows = _graph_rows(len(live), sum(spans))
-                verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
-                elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" and not retired else 0.0)
-                if not retired:
-                    pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
-                for r, s in zip(live, spans):
-                    p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
-                    if switch is not None and tokens - left[r] >= switch[0]:
-                        p = switch[1]
-                    if s > 1:
-                        drafted_once.add(r)
-                    m = 0
-                    if callable(p):  # a fixed-tau profile: m drawn by the profile, capped by the span
-                        m = p(rng, s)
-                    while not callable(p) and m < s - 1 and rng.random() < p:
-                        m += 1
-                    pol.observe_acceptance(r, s, m)
-                    carried[r] = m + 1 if s > 1 else carried.get(r, 128) + 1
-                    left[r] -= m + 1
-                    if left[r] <= 0:
-                        del left[r]
-                        pol.release(r)
+        elapsed, to_come, left = 0.0, waves * concurrency, {}
+        while to_come or left:
+            room = concurrency - len(left) if steady else (0 if left else concurrency)
+            new = range(rid, rid + min(room, to_come))
+            if new:
+                left.update(dict.fromkeys(new, tokens))
+                rid, to_come = rid + len(new), to_come - len(new)
+                if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits them retired
+                    for r in new:
+                        pol.admit(r, tokens, 128, concurrency)
+                if mode == "fixed" or (mode == "adaptive" and any(r not in pol.retired for r in new)):
+                    elapsed += prefill_taps_s
+            live = sorted(left)
+            # every one retired: plain decode's own step, no policy, no cost sample (refengine/scheduler.py)
+            retired = mode == "adaptive" and all(r in pol.retired for r in live)
+            want = {"plain": [1] * len(live), "fixed": [B] * len(live)}.get(mode)
+            if want is None:
+                want = [1] * len(live) if retired else pol.choose(live, [left[r] for r in live])
+            spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
+            drafted = sum(s > 1 for s in spans)
+            draft = true.draft_s(drafted)
+            rows_carried = [carried.get(r, 128) for r, s in zip(live, spans) if s > 1]
+            catch_up = 0.0
+            if rows_carried and max(rows_carried) > B:
+                catch_up = catch_up_fixed_s + catch_up_row_s * sum(rows_carried)
+            draft += catch_up
+            rows = _graph_rows(len(live), sum(spans))
+            verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
+            elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" and not retired else 0.0)
+            if not retired:
+                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
+            for r, s in zip(live, spans):
+                p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
+                if switch is not None and tokens - left[r] >= switch[0]:
+                    p = switch[1]
+                if s > 1:
+                    drafted_once.add(r)
+                m = 0
+                if callable(p):  # a fixed-tau profile: m drawn by the profile, capped by the span
+                    m = p(rng, s)
+                while not callable(p) and m < s - 1 and rng.random() < p:
+                    m += 1
+                pol.observe_acceptance(r, s, m)
+                carried[r] = m + 1 if s > 1 else carried.get(r, 128) + 1
+                left[r] -= m + 1
+                if left[r] <= 0:
+                    del left[r]
+                    pol.release(r)
         out.append(waves * concurrency * tokens / elapsed)
     return out
 
