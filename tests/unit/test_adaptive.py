@@ -272,6 +272,7 @@ def _simulate_phases(
     taps_s: float = 0.0,
     policies: list | None = None,
     steady: bool = False,
+    seed: int = 1,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -289,9 +290,10 @@ def _simulate_phases(
     much dearer than plain decode's own (the H200: ~2.4 ms a 128-token prefill at c1, run 96; 0.4-1.3% of a
     decode step, run 55). `policies`: the adaptive policy is appended to it (its stats, for the caller).
     `steady`: a phase's waves x concurrency requests arrive as slots free up, `concurrency` in flight (each
-    arrival its own prefill), instead of in waves that start together (`refengine bench --arrivals steady`)."""
+    arrival its own prefill), instead of in waves that start together (`refengine bench --arrivals steady`).
+    `seed`: the acceptance draws' random path (one path says little at moderate acceptance: docs/PERF.md)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
-    rng = random.Random(1)
+    rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
     if policies is not None:
         policies.append(pol)
