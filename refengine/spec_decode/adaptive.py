@@ -25,8 +25,10 @@ Model (all online, with priors):
   speculating candidate of a choice while one is due (Exploration._switch_s).
 - exploration and probes (refengine/spec_decode/exploration.py): within a budget, the losing kind is tried
   now and then, and new requests draft a block on their first step; while position 1 fails or in a plain
-  regime, a sample of them, and requests retire from speculation (refengine/spec_decode/probe_sample.py); in
-  small batches, requests decoding plainly draft a block again now and then (re-probes: a generation's
+  regime, a sample of them (otherwise, in a large batch decoding plainly, a lone one's probe waits up to
+  PROBE_HOLD decisions to share its verify step), and requests retire from speculation
+  (refengine/spec_decode/probe_sample.py); in small batches, requests decoding plainly draft a block again
+  now and then (re-probes: a generation's
   acceptance can turn good midway); once speculation has settled into not paying, new requests are admitted
   retired, but for the probes the admitted work pays for (refengine/spec_decode/dormancy.py: admit).
 """
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.dormancy import Dormancy
-from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
+from refengine.spec_decode.exploration import MIN_EXPLORE, PROBE_HOLD, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
@@ -60,6 +62,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
     estimates: AcceptanceEstimates = field(init=False, repr=False)  # per request and position
     drafted: dict[int, tuple[int, int]] = field(default_factory=dict)  # req -> (drafting steps, last accepted)
     _drafted_at: dict[int, int] = field(default_factory=dict)  # req -> the decision of its last draft
+    _held_since: dict[int, int] = field(default_factory=dict)  # req -> the decision its held probe was due
     pending: Callable[[int], int] | None = None  # the proposer's rows a request carries (DFlashLane.pending_rows)
     catch_ups: int = 0  # catch-up flushes observed
     _catch_up_rows: int = 0  # pending rows the last choice's drafting requests carried past a plain stretch
@@ -186,6 +189,8 @@ class AdaptivePolicy(Retirement, ShadowChoice):
             return False  # a plain regime begins: the full choice looks for requests to retire
         if self._reprobes_due(len(key[1]), self.steps + 1):
             return False  # the full choice re-probes (exploration.py)
+        if self._held_since and min(self._held_since.values()) + PROBE_HOLD <= self.steps + 1:
+            return False  # a held first-step probe is due (exploration.PROBE_HOLD)
         self._cache_key = key  # (the budgets shrink from here)
         self.steps += 1
         self.caps[1] += 1
@@ -291,6 +296,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self._drafted_at.pop(req_id, None)
+        self._held_since.pop(req_id, None)
         self.reprobed.discard(req_id)
         self.sample.release(req_id)
         self.dormancy.release(req_id)
