@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from refengine.bench.job import steady_budgets
 from refengine.bench.report import throughput_fields
 from refengine.errors import RefEngineError
 from refengine.plan import PLAN_KINDS, plan_kind
@@ -34,16 +35,17 @@ class BenchError(RefEngineError):
     """A bench run is not a measurement: a request was rejected, or a row ran no tokens."""
 
 
-def check_ran(reqs: list, output_tokens: int) -> None:
-    """Every request ran its whole budget (ignore_eos): a row with an errored, aborted or short request is not
-    a measurement."""
+def check_ran(reqs: list, output_tokens: int | list[int]) -> None:
+    """Every request ran its whole budget (ignore_eos; `output_tokens`: one for all, or each request's): a row
+    with an errored, aborted or short request is not a measurement."""
     if not reqs or sum(len(r.output_ids) for r in reqs) == 0:
         raise BenchError(f"a bench run of {len(reqs)} requests produced no tokens")
-    for r in reqs:
-        if len(r.output_ids) < output_tokens:
+    budgets = output_tokens if isinstance(output_tokens, list) else [output_tokens] * len(reqs)
+    for r, budget in zip(reqs, budgets):
+        if len(r.output_ids) < budget:
             reason = r.finish_reason.value if r.finish_reason is not None else "unfinished"
             raise BenchError(
-                f"bench request {r.request_id} ran {len(r.output_ids)} of {output_tokens} tokens "
+                f"bench request {r.request_id} ran {len(r.output_ids)} of {budget} tokens "
                 f"({reason}) {r.message}".rstrip()
             )
 
@@ -98,17 +100,19 @@ def drafter_weight_bytes(drafter) -> int:
 
 def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: int | None = None) -> dict[str, Any]:
     """Submit every prompt together (`in_flight` None: a wave), or keep `in_flight` of them running, the next
-    one submitted as one finishes (steady arrivals: ARRIVALS); step to completion timing each step; fail on
-    rejection / no tokens."""
+    one submitted as one finishes (steady arrivals: ARRIVALS; the first in flight with budgets spread over
+    (0, output_tokens], job.steady_budgets); step to completion timing each step; fail on rejection / no
+    tokens."""
     device = str(engine.target.device)
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    n = len(prompts)
+    budgets = [output_tokens] * n if in_flight is None else steady_budgets(n, in_flight, output_tokens)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
-    queue = list(prompts)
+    queue = [(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts, budgets)]
     reqs: list = []
     running: list = []  # steady arrivals: the submitted requests not yet finished
 
     def submit(n: int) -> None:
-        new = [engine.add_request(p, params) for p in queue[:n]]
+        new = [engine.add_request(p, params) for p, params in queue[:n]]
         del queue[:n]
         bad = [r for r in new if r.reject_reason is not None]
         if bad:
@@ -142,7 +146,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
     plans = Counter(engine.scheduler.plan_counts)
     plans.subtract(plans_before)
-    check_ran(reqs, output_tokens)
+    check_ran(reqs, budgets)
     tokens = sum(len(r.output_ids) for r in reqs)
     stats = SpecStats()
     for r in reqs:

@@ -178,7 +178,11 @@ def bench(
     if paired:
         results["weights"] = "shared" if share_weights else "one copy per engine"
     results["processes"] = processes
-    results["arrivals"] = arrivals if arrivals == "wave" else f"steady: {STEADY_ROUNDS} x c requests, c in flight"
+    results["arrivals"] = (
+        arrivals
+        if arrivals == "wave"
+        else f"steady: {STEADY_ROUNDS} x c requests, c in flight (the first c's budgets spread over the output length)"
+    )
     results["rows"] = [_row(per_process) for per_process in runs.values()]
     if peer:
         bar = tqdm(total=len(concurrency) * repeats, desc="bench hf", unit="run", file=sys.stderr)

@@ -395,9 +395,10 @@ def test_bench_adaptive_shadow_mode_runs_adaptive_with_shadow_probes(capsys, mon
 
 
 def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
-    """`--arrivals steady`: a cell's run submits STEADY_ROUNDS x c requests, c of them at first and the next one as
-    one finishes, so at most c are ever unfinished and the row's concurrency is c; waves (the default) submit
-    the cell's c requests together. The JSON says which; the HF peer (waves of generate) is refused with it."""
+    """`--arrivals steady`: a cell's run submits STEADY_ROUNDS x c requests, c of them at first (their budgets
+    spread over the output length) and the next one as one finishes, so at most c are ever unfinished and the
+    row's concurrency is c; waves (the default) submit the cell's c requests together. The JSON says which; the
+    HF peer (waves of generate) is refused with it."""
     from collections import Counter
 
     from refengine.bench import run as bench_run
@@ -437,8 +438,20 @@ def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
     worst = max(n for r, n in submitted if r in measured)
     assert worst <= 2, f"{worst} requests unfinished at once with --concurrency 2"
     (row,) = res["rows"]
-    assert row["concurrency"] == 2 and row["tokens"] == 2 * STEADY_ROUNDS * 3, row
+    # the first two in flight run budgets spread over (0, 3]: 2 and 3 tokens (steady_budgets), the rest 3 each
+    assert row["concurrency"] == 2 and row["tokens"] == 2 + 3 + (2 * STEADY_ROUNDS - 2) * 3, row
     rc, res, err = _bench(capsys, *argv)
     assert rc == 0 and res is not None and res["arrivals"] == "wave" and res["rows"][0]["tokens"] == 2 * 3, err[-500:]
     rc, _, err = _bench(capsys, *argv, "--arrivals", "steady", "--peer", "hf")
     assert rc == 2 and "--arrivals wave" in err, err[-500:]
+
+
+def test_steady_budgets_spread_the_first_requests_in_flight():
+    """The first c requests of a steady cell finish at evenly spread steps (so plain decode's arrivals spread out
+    as speculation's do); the rest run the full output length."""
+    from refengine.bench.job import steady_budgets
+
+    got = steady_budgets(10, 4, 128)
+    assert got == [32, 64, 96, 128, 128, 128, 128, 128, 128, 128], got
+    assert steady_budgets(3, 8, 5) == [1, 2, 2], steady_budgets(3, 8, 5)  # fewer requests than in flight
+    assert min(steady_budgets(32, 32, 3)) == 1, "every budget at least one token"
