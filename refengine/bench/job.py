@@ -3,6 +3,7 @@ requests arrive (`--arrivals`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ def steady_budgets(requests: int, in_flight: int, output_tokens: int) -> list[in
     decode's too. With equal budgets plain decode's requests finished together and its steady cells re-ran
     waves (one prefill a wave) while speculation's spread out (a prefill an arrival): on the H200 at c32
     adaptive's prefills took 895 ms a run against plain's 211 (run 107, twenty-second session)."""
-    first = [max(1, -(-output_tokens * (i + 1) // in_flight)) for i in range(min(in_flight, requests))]
+    first = [math.ceil(output_tokens * (i + 1) / in_flight) for i in range(min(in_flight, requests))]
     return first + [output_tokens] * (requests - len(first))
 
 

@@ -28,9 +28,9 @@ Model (all online, with priors):
   regime, a sample of them (otherwise, in a large batch decoding plainly, a lone one's probe waits up to
   PROBE_HOLD decisions to share its verify step), and requests retire from speculation
   (refengine/spec_decode/probe_sample.py); in small batches, requests decoding plainly draft a block again
-  now and then (re-probes: a generation's
-  acceptance can turn good midway); once speculation has settled into not paying, new requests are admitted
-  retired, but for the probes the admitted work pays for (refengine/spec_decode/dormancy.py: admit).
+  now and then (re-probes: a generation's acceptance can turn good midway); once speculation has settled
+  into not paying, new requests are admitted retired, but for the probes the admitted work pays for
+  (refengine/spec_decode/dormancy.py: admit).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.dormancy import Dormancy
-from refengine.spec_decode.exploration import MIN_EXPLORE, PROBE_HOLD, REPROBE_EVERY
+from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
@@ -189,7 +189,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
             return False  # a plain regime begins: the full choice looks for requests to retire
         if self._reprobes_due(len(key[1]), self.steps + 1):
             return False  # the full choice re-probes (exploration.py)
-        if self._held_since and min(self._held_since.values()) + PROBE_HOLD <= self.steps + 1:
+        if self._held_probe_due(self.steps + 1):
             return False  # a held first-step probe is due (exploration.PROBE_HOLD)
         self._cache_key = key  # (the budgets shrink from here)
         self.steps += 1
@@ -289,6 +289,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)
+        self._held_since.pop(req_id, None)  # it drafted: no first-step probe waits for it (a speculating choice's)
         self._drafted_at[req_id] = self.steps
 
     def release(self, req_id: int) -> None:

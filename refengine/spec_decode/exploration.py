@@ -36,7 +36,7 @@ verify step carries several (they decode plainly meanwhile, capturing their feat
 requests arrive together and nothing changes; under steady arrivals (`refengine bench --arrivals steady`)
 they come one at a time, and each probe was a verify step of its own (~2x a plain step): at c32 with the
 published sharegpt profile, where the choice is mostly plain, 320 of 1964 decisions were such steps and
-adaptive ran 0.921 of plain over three random paths in simulation; holding, 0.950 (geometric 0.6: 0.885 ->
+adaptive ran 0.921 of plain over three random paths in simulation; holding, 0.942 (geometric 0.6: 0.885 ->
 0.910; tau 1, 1.3, 3, 6.5 and waves unchanged; tests/unit/test_adaptive_steady.py). On the H200 with it
 (run 108, steady sharegpt): 1.268 of plain at c16, 1.005 at c32.
 
@@ -153,10 +153,10 @@ class Exploration:
             if all(self.steps - held[req_ids[i]] < PROBE_HOLD for i in new):
                 new = []  # a later step probes them together
         if new:  # a request's first step drafts a full block whatever the estimate: its own evidence, at once,
-            for i in new:
-                self._held_since.pop(req_ids[i], None)
             # and evidence on every position (spans chosen short test only the first few), up to the first
             # position known to fail (AcceptanceEstimates.failing_span)
+            for i in new:
+                self._held_since.pop(req_ids[i], None)
             spans = _widened(d.spans, new, probe, remaining)
             self.probe_regret_s += self._regret(spans, tables, d)  # not budgeted: paid by their own generation
             self.probes += len(new)
@@ -228,6 +228,19 @@ class Exploration:
         and verify (the rest: a catch-up of 0.66 ms + 0.8 us a row, and host time), and ran 0.80 of plain."""
         out = self.sample.retired
         return self.cost.catch_up_s(self._pending_rows(req_ids, [1 if r in out else 2 for r in req_ids]))
+
+    def _held_probe_due(self, step: int) -> bool:
+        """A held first-step probe (PROBE_HOLD) is due by decision `step`. Requests retired or passed over by
+        the sample since are dropped first (one that drafted meanwhile, in a speculating choice, was dropped by
+        observe_acceptance; one drafted only once may be held again for a repeated first probe, THIN_EVIDENCE):
+        a stale entry would keep every later plain decision off the O(1) reuse path for the rest of its
+        generation."""
+        held = self._held_since
+        if not held or min(held.values()) + PROBE_HOLD > step:
+            return False
+        for r in [r for r in held if r in self.sample.retired or self.sample.passed(r)]:
+            del held[r]
+        return bool(held) and min(held.values()) + PROBE_HOLD <= step
 
     def _reprobing(self, n: int) -> bool:
         """A batch of n re-probes its requests decoding plainly (see REPROBE_EVERY): a small one, re-probes on."""

@@ -8,7 +8,7 @@ evidence then comes from explorations alone: Retirement._position_one_fails).
 Also that at moderate acceptance (the published sharegpt profile at c32, where the choice sits on a 5% edge and
 is mostly plain) a lone arrival's first-step probe waits up to PROBE_HOLD decisions for others to share its
 verify step (exploration.PROBE_HOLD), over three random paths. Known and not asserted (docs/PERF.md,
-twenty-second session): that cell still runs 0.93-0.97 of plain here (geometric 0.6: 0.89-0.93) where a fixed
+twenty-second session): that cell still runs 0.93-0.95 of plain here (geometric 0.6: 0.89-0.93) where a fixed
 span of 4-8 runs 1.00-1.08: about half of what is left is each arrival's prefill writing tap features (charged
 2.4 ms a prefill, run 96's c1 figure), and the choice stays plain on estimates a few percent low.
 
@@ -21,7 +21,8 @@ import pytest
 
 from refengine.spec_decode.acceptance_profile import parse_profile
 from refengine.spec_decode.adaptive import AdaptivePolicy
-from tests.unit.test_adaptive import _simulate_phases
+from refengine.spec_decode.exploration import PROBE_HOLD
+from tests.unit.test_adaptive import B, _simulate_phases
 
 # H200-like costs (_simulate_phases' default), every graph shape timed up front (seeded), catch-ups of 0.62 ms +
 # 0.68 us a carried row (twentieth session) and a plain step writing taps 0.04 ms dearer (run 96)
@@ -49,9 +50,10 @@ def test_steady_arrivals_where_drafting_cannot_win_stay_at_plain(profile, concur
 
 
 def test_a_lone_arrivals_probe_waits_to_share_a_verify_step():
-    # sharegpt at c32, 20 x 32 requests from a fresh policy, paths 1-3: measured when written 0.969 / 0.931 /
-    # 0.950 of plain (mean 0.950); with every arrival's probe a verify step of its own 0.971 / 0.868 / 0.925
-    # (0.921: on path 2, 320 of 1964 decisions were such steps, each ~2x a plain one)
+    # sharegpt at c32, 20 x 32 requests from a fresh policy, paths 1-3: measured 0.946 / 0.931 / 0.950 of plain
+    # (mean 0.942; 0.969 on path 1 while stale holds kept plain decisions off the reuse path); with every
+    # arrival's probe a verify step of its own 0.971 / 0.868 / 0.925 (0.921: on path 2, 320 of 1964 decisions
+    # were such steps, each ~2x a plain one)
     prof = parse_profile("sharegpt")
     draw = lambda rng, span: prof.draw(rng, span)  # noqa: E731
     phase = [(32, draw, 20, 128)]
@@ -62,3 +64,18 @@ def test_a_lone_arrivals_probe_waits_to_share_a_verify_step():
         ratios.append(adaptive / plain)
     got = " / ".join(f"{r:.3f}" for r in ratios)
     assert sum(ratios) / 3 >= 0.94 and min(ratios) >= 0.92, f"adaptive x plain on paths 1-3: {got}"
+
+
+def test_a_held_probe_is_forgotten_once_its_request_no_longer_waits():
+    # a held request that then drafts (in a speculating choice), retires or is passed over by the sample waits for
+    # no first-step probe: left in the hold, it kept every later plain decision off the O(1) reuse path (_reuse)
+    pol = AdaptivePolicy(B)
+    pol._held_since.update({7: 0, 8: 0, 9: 0})
+    pol.observe_acceptance(7, 4, 1)  # drafted: no longer held
+    assert 7 not in pol._held_since, f"held after drafting: {pol._held_since}"
+    pol.sample.retire(8, "test", at_admission=True)
+    pol.sample._passed[9] = 0  # passed over by the probe sample
+    assert not pol._held_probe_due(10 * PROBE_HOLD), f"stale holds count as due: {pol._held_since}"
+    assert pol._held_since == {}, f"stale holds kept: {pol._held_since}"
+    pol._held_since[10] = 5
+    assert not pol._held_probe_due(5 + PROBE_HOLD - 1) and pol._held_probe_due(5 + PROBE_HOLD), "due after PROBE_HOLD"
