@@ -34,11 +34,14 @@ import itertools
 import operator
 from dataclasses import dataclass, field
 
+import numpy as np
+
 DECAY = 0.9  # per observation of a request testing a position
 POP_DECAY = 0.95  # per observation testing a position: the population follows the workload over ~20 of them
 PRIOR_WEIGHT = 8.0  # pseudo-observations of the population rate in a request's own estimate (noise shrinkage)
 POSITION_WEIGHT = 2.0  # pseudo-observations of the previous position's rate in a position's population rate
 FIRST_BLOCK_WEIGHT = 1.0  # pseudo-observations of the first blocks' rate in a later-block population rate
+ARRAY_TABLES = 8  # from this many requests with evidence, their tables are computed as one array (_tables_array)
 SHORT_PROBE_RATE, SHORT_PROBE_EVIDENCE = 0.05, 16.0  # a position accepting at under this rate, tested at least
 # that often (decayed), is known to fail: probes and explorations draft no further (failing_span)
 
@@ -47,6 +50,23 @@ def table_from_rates(rates: list[float]) -> list[float]:
     """[E(0), E(1), ..., E(len(rates) + 1)] from per-position conditional acceptance rates (E(0) = 0)."""
     survival = itertools.accumulate(rates, operator.mul)  # P(drafts 1..k all accepted)
     return [0.0, *itertools.accumulate(survival, initial=1.0)]
+
+
+def _tables_array(own: list[tuple[list[float], list[float]]], pop: list[float]) -> list[list[float]]:
+    """table_from_rates(AcceptanceEstimates._own_rates(o, pop)) for each o in `own`, as one array pass: the
+    same operations in the same order, so the same floats (~4x faster at 32 requests on a 2-core CPU, where the
+    per-request Python was ~0.2 ms of every speculating step's choice; the policy recomputes every table after
+    each observation, as the population's rates move)."""
+    m, k = len(own), len(pop)
+    s = np.fromiter(itertools.chain.from_iterable(o[0] for o in own), float, m * k).reshape(m, k)
+    t = np.fromiter(itertools.chain.from_iterable(o[1] for o in own), float, m * k).reshape(m, k)
+    w = PRIOR_WEIGHT
+    rates = (s + w * np.asarray(pop)) / (t + w)  # (m, B-1)
+    e = np.ones((m, k + 2))  # (m, B+1): [0, 1, 1 + s_1, 1 + s_1 + s_2, ...], summed left to right as accumulate
+    np.cumprod(rates, axis=1, out=e[:, 2:])
+    np.cumsum(e[:, 1:], axis=1, out=e[:, 1:])
+    e[:, 0] = 0.0
+    return e.tolist()
 
 
 def geometric_table(alpha: float, block: int) -> list[float]:
@@ -139,8 +159,10 @@ class AcceptanceEstimates:
         """The request's h_ik for positions 1..B-1 (pass population_rates() to reuse it)."""
         pop = self.population_rates() if population is None else population
         own = self.requests.get(req_id)
-        if own is None:
-            return pop
+        return pop if own is None else self._own_rates(own, pop)
+
+    @staticmethod
+    def _own_rates(own: tuple[list[float], list[float]], pop: list[float]) -> list[float]:
         w = PRIOR_WEIGHT
         return [(s + w * h) / (t + w) for s, t, h in zip(own[0], own[1], pop)]
 
@@ -148,15 +170,14 @@ class AcceptanceEstimates:
         """E_i(s) for s = 0..B per request; a request with no evidence of its own (its next block is its first)
         gets the first blocks' table."""
         first, pop = self.first_block_rates(), self.population_rates()
-        shared: list[float] | None = None
-        out = []
-        for r in req_ids:
-            if r in self.requests:
-                out.append(table_from_rates(self.rates(r, pop)))
-            else:
-                shared = shared or table_from_rates(first)
-                out.append(shared)
-        return out
+        own = [self.requests.get(r) for r in req_ids]
+        known = [o for o in own if o is not None]
+        if len(known) >= ARRAY_TABLES:
+            computed = iter(_tables_array(known, pop))
+        else:
+            computed = (table_from_rates(self._own_rates(o, pop)) for o in known)
+        shared = table_from_rates(first) if len(known) < len(own) else []
+        return [shared if o is None else next(computed) for o in own]
 
     def observe(self, req_id: int, span: int, accepted: int, first: bool | None = None) -> None:
         """A verify of `span` rows (span - 1 drafts) that accepted `accepted` drafts. `first`: it is the block

@@ -7,8 +7,12 @@ keeps the state (estimates, exploration) around it.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from refengine.spec_decode.step_costs import CostModel
 
@@ -34,17 +38,14 @@ class Decision:
     searched: bool = True  # False: the upper bound showed plain wins, no span was evaluated
 
 
-def _spec_bound(
-    tables: list[Table], remaining: list[int], block: int, cost: CostModel, rows: RowsFn, switch_s: float = 0.0
-) -> float:
+def _spec_bound(tables: list[Table], remaining: list[int], block: int, cheapest_step_s: float) -> float:
     """An upper bound on any speculating choice's rate: every request's largest gain over the cheapest
-    speculating step. D and V are linear in the drafting requests and the executed rows, so their minima
-    over a choice lie at the ends of those ranges, whatever the signs of the fitted slopes."""
+    speculating step (the least draft over the drafting counts plus the least verify over the real rows a
+    speculating step can have, both from the cost tables: measured tables need not be monotone, so the ends
+    of the ranges are not enough)."""
     n = len(tables)
     gain = sum(e[min(block, r)] - 1.0 for e, r in zip(tables, remaining) if r > 1)  # E rises with the span
-    draft = min(cost.draft_s(1), cost.draft_s(n))
-    verify = min(cost.verify_s(n, rows(n, n + 1)), cost.verify_s(n, rows(n, n * block)))
-    return (n + gain) / (draft + verify + switch_s)
+    return (n + gain) / cheapest_step_s
 
 
 def executed_rows(rows: RowsFn, n: int, block: int) -> tuple[int, ...]:
@@ -72,18 +73,16 @@ def choose_spans(
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain
-    if _spec_bound(tables, remaining, block, cost, rows, switch_s) <= plain_rate * SPEC_MARGIN:
-        return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
-    draft_cost = [cost.draft_s(m) + switch_s for m in range(n + 1)]
+    draft_cost = [d + switch_s for d in cost.draft_costs(n)]
     if executed is None:
         executed = executed_rows(rows, n, block)  # by real rows: few distinct shapes
-    by_shape = {x: cost.verify_s(n, x) for x in set(executed)}  # measured table, else the fit
-    verify_cost = [by_shape[x] for x in executed]
-    best_rate, best_k, best_cap = plain_rate * SPEC_MARGIN, 0, 1
-    best_spans: list[int] = []
-    best_order: list[int] = []
-    if n == 1:  # c1: the loop below at k = 0 (k = 1 drafts nothing), without its per-cap lists
-        e = tables[0]
+    shapes, of_rows = _shape_index(executed)
+    verify_cost = np.array([cost.verify_s(n, x) for x in shapes])[of_rows]  # measured table, else the fit
+    cheapest = min(draft_cost[1:]) + float(verify_cost[n + 1 :].min())  # a step drafting 1..n, n+1.. real rows
+    if _spec_bound(tables, remaining, block, cheapest) <= plain_rate * SPEC_MARGIN:
+        return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
+    if n == 1:  # c1: _search's candidates at k = 0 (k = 1 drafts nothing), without its arrays
+        e, best_rate, best_cap, best_spans = tables[0], plain_rate * SPEC_MARGIN, 1, [1]
         for cap in range(2, min(block, remaining[0]) + 1):
             gain, denom = e[cap] - 1.0, draft_cost[1] + verify_cost[cap]
             if denom > 0 and (1 + gain) > best_rate * denom:
@@ -91,30 +90,55 @@ def choose_spans(
         return Decision(best_spans, best_rate, plain_rate, best_cap) if best_cap > 1 else plain
     # caps past the longest budget repeat the last spans at the same rate (the strict > took such a repeat
     # only on a rounding difference, which changed the recorded cap and nothing else): stop there
-    for cap in range(2, min(block, max(remaining)) + 1):
-        spans = [cap if r >= cap else max(1, r) for r in remaining]
-        gains = [e[s] - 1.0 for e, s in zip(tables, spans)]
-        order = sorted(range(n), key=gains.__getitem__)
-        gain, total = sum(gains), sum(spans)
-        drafted = sum(1 for s in spans if s > 1)
-        for k in range(n):  # the k smallest-gain requests at span 1
-            if k:
-                i = order[k - 1]
-                gain -= gains[i]
-                total -= spans[i] - 1
-                drafted -= spans[i] > 1
-            if not drafted:
-                break
-            denom = draft_cost[drafted] + verify_cost[total]
-            if denom > 0 and (n + gain) > best_rate * denom:
-                best_rate, best_k, best_cap = (n + gain) / denom, k, cap
-                best_spans, best_order = spans, order
-    if best_cap == 1:
+    found = _search(tables, remaining, min(block, max(remaining)), draft_cost, verify_cost)
+    if found is None or not found[0] > plain_rate * SPEC_MARGIN:
         return plain
-    chosen = list(best_spans)
-    for i in best_order[:best_k]:
+    return Decision(found[1], found[0], plain_rate, found[2])
+
+
+def _search(
+    tables: list[Table], remaining: list[int], top: int, draft_cost: list[float], verify_cost: np.ndarray
+) -> tuple[float, list[int], int] | None:
+    """The best speculating candidate: (rate, spans, cap), or None if none drafts. Candidates are every cap
+    S = 2..top (each request at min(S, its budget)) with its k = 0..n-1 smallest-gain requests switched to span
+    1, in that order; the first of the highest rate wins (tests/unit/test_span_search.py holds the plain
+    enumeration it equals). One array pass: with it choose_spans costs ~0.24 ms at c32 on a 2-core CPU against
+    ~0.6 ms as Python loops, and the policy's whole choice ~0.3 ms a speculating c32 step against ~0.8 ms
+    (simulated tau-3 waves): run every speculating step, the loops were most of adaptive's host time a step in
+    c32 waves (docs/PERF.md, twenty-third session)."""
+    n = len(tables)
+    caps = np.arange(2, top + 1)[:, None]  # (C, 1)
+    rem = np.asarray(remaining)
+    spans = np.where(rem >= caps, caps, np.maximum(rem, 1))  # (C, n): each cap's spans
+    e = np.fromiter(itertools.chain.from_iterable(tables), float, n * len(tables[0])).reshape(n, -1)  # (n, B+1)
+    gains = e[np.arange(n), spans] - 1.0  # (C, n): E_i(s_i) - 1
+    # (C, n): largest gain first, so that column j keeps its j + 1 largest-gain requests drafting and the
+    # k = n - 1 - j smallest at span 1 (the reversed stable ascending order: ties switch the lower index first)
+    order = np.argsort(gains, axis=1, kind="stable")[:, ::-1]
+    cap_rows = np.arange(len(spans))[:, None]
+    kept = spans[cap_rows, order]
+    gain = np.cumsum(gains[cap_rows, order], axis=1)
+    total = n + np.cumsum(kept - 1, axis=1)  # real rows
+    drafted = np.cumsum(kept > 1, axis=1)
+    denom = np.asarray(draft_cost)[drafted] + verify_cost[total]
+    ok = (drafted > 0) & (denom > 0)
+    rate = np.where(ok, (n + gain) / np.where(ok, denom, 1.0), -np.inf)
+    best = int(np.argmax(rate[:, ::-1]))  # the first of the maxima in (cap, k) order
+    c, k = divmod(best, n)
+    if not ok[c, n - 1 - k]:
+        return None
+    chosen = spans[c].tolist()
+    for i in order[c, n - k :].tolist():
         chosen[i] = 1
-    return Decision(chosen, best_rate, plain_rate, best_cap)
+    return float(rate[c, n - 1 - k]), chosen, c + 2
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_index(executed: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
+    """The distinct executed rows of `executed` (a step's rows by real rows) and, per real rows, the index of its
+    shape among them: a verify's cost is looked up once per graph shape, not once per real row count."""
+    shapes, of_rows = np.unique(np.asarray(executed), return_inverse=True)
+    return shapes.tolist(), of_rows
 
 
 def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn) -> list[float]:

@@ -134,6 +134,17 @@ class CostModel:
         t = self.tables["draft"].get(self.draft_bucket(m))
         return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
 
+    def draft_costs(self, n: int) -> list[float]:
+        """[D(0), D(1), ..., D(n)]: draft_s over a batch's drafting counts in one pass (the span search prices
+        every count each speculating step; 33 draft_s calls were ~0.1 ms of a c32 step on a 2-core CPU)."""
+        table, bucket = self.tables["draft"], self.draft_bucket
+        d0, d1 = self.draft.theta
+        out = [0.0]
+        for m in range(1, n + 1):
+            t = table.get(bucket(m))
+            out.append(t if t is not None else max(d0 + d1 * m, 0.0) * 1e-3)
+        return out
+
     def catch_up_s(self, rows: int) -> float:
         """C(rows): 0 for no rows, or until a catch-up was observed (nothing to price it by yet)."""
         if not rows or not self.catch_up.updates:

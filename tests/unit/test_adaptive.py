@@ -170,10 +170,16 @@ def test_spec_bound_is_an_upper_bound_on_every_span_choice():
     for _ in range(200):
         n = rng.randint(1, 3)
         cost = CostModel.linear(*(rng.uniform(1e-4, 1e-2) for _ in range(5)), p0=rng.uniform(1e-3, 1e-2))
+        if rng.random() < 0.5:  # measured shapes, not monotone in the count (a fit's ends are not its minima)
+            cost.seed("draft", rng.randint(1, n), rng.uniform(1e-4, 1e-2))
+            cost.seed("verify", (n, _graph_rows(n, rng.randint(n + 1, 4 * n))), rng.uniform(1e-4, 1e-2))
         # per-position rates, not only geometric ones
         tables = [table_from_rates([rng.random() for _ in range(3)]) for _ in range(n)]
         remaining = [rng.randint(1, 6) for _ in range(n)]
-        bound = _spec_bound(tables, remaining, 4, cost, _graph_rows)
+        cheapest = min(cost.draft_s(m) for m in range(1, n + 1)) + min(
+            cost.verify_s(n, _graph_rows(n, r)) for r in range(n + 1, 4 * n + 1)
+        )
+        bound = _spec_bound(tables, remaining, 4, cheapest)
         for spans in itertools.product(range(1, 5), repeat=n):
             if max(spans) == 1 or any(s > max(1, min(4, r)) for s, r in zip(spans, remaining)):
                 continue
