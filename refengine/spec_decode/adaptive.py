@@ -133,6 +133,14 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         catch-up observe_step may see)."""
         self.probed = []
         spans = self._choose(req_ids, remaining)
+        out = self.retired
+        if out and max(spans) > 1 and any(r in out for r in req_ids):
+            # a retired request never drafts (the scheduler freed its drafter context). Its flat table gains
+            # nothing, but where its rows fall in the same graph shape and its count in the same draft bucket
+            # it costs nothing either: an exact tie, which the search's first-of-maxima (and the loops before
+            # it) settled by keeping it at the cap. The H200 engine then failed in _pending_rows (KeyError: a
+            # released context) under steady arrivals at c32 (runs 109, 111)
+            spans = [1 if r in out else s for r, s in zip(req_ids, spans)]
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0

@@ -755,3 +755,21 @@ def test_small_batches_probe_every_new_request_and_lone_passes_retire_at_once():
     lone = joined + [joined[-1] + 1]  # and another, passed over with no probe beside it
     spans = pol.choose(lone, [497] * len(batch) + [499, 500])
     assert spans[-1] == 1 and lone[-1] in pol.retired, f"spans {spans}: the lone passed-over request retires"
+
+
+def test_a_retired_request_never_drafts_even_where_its_rows_are_free():
+    # a draft cost flat in the drafting count and a verify padded to one graph shape: keeping a retired request
+    # (flat table, gain 0) at the cap costs exactly nothing, a tie the search settled by keeping it; the lane
+    # had freed its drafter context, and the policy's catch-up count raised KeyError (H200, runs 109 and 111)
+    cost = CostModel.linear(4e-3, 0.0, 0.0, 1e-3, 0.0, p0=4e-3, p1=0.0)
+    pol = AdaptivePolicy(B, cost=cost, rows=lambda n, r: n * B)
+    pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
+    for r in (1, 2, 3):
+        for _ in range(6):
+            pol.observe_acceptance(r, B, B - 1)  # accepting every draft: speculation wins
+    contexts = {1: 0, 2: 0, 3: 0}  # the lane's: request 0 retired, its context released
+    pol.pending = contexts.__getitem__
+    pol.sample.retired.add(0)
+    spans = pol.choose([0, 1, 2, 3], [100] * 4)
+    assert max(spans) > 1, f"the test needs a speculating choice: {spans}, {pol.last}"
+    assert spans[0] == 1, f"retired request 0 drafts: spans {spans} (search's {pol.last.spans})"
