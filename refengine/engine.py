@@ -26,7 +26,7 @@ from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.parallel import TensorParallelGroup, shard_target
-from refengine.plan import Plan, validate_result
+from refengine.plan import Plan, PrefillPlan, validate_result
 from refengine.request import FinishReason, Request, SamplingParams, SpecStats
 from refengine.runner.capture import Capturer
 from refengine.runner.catch_up_graphs import CatchUpGraphs
@@ -276,6 +276,9 @@ class Engine:
         rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
         serving."""
         sched = self.scheduler
+        costs = sched.costs
+        if costs is not None:
+            costs.step_started()  # the host's share of the step is priced by the adaptive policy
         plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:
@@ -302,6 +305,9 @@ class Engine:
                 except Exception as e:
                     self._log_failure(plan, e)
                     sched.abandon(plan, e)
+                else:
+                    if costs is not None and not isinstance(plan, PrefillPlan):
+                        costs.step_ended(plan)
         done = sched.take_done()
         self.finished.extend(done)
         return done

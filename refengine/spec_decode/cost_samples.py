@@ -8,16 +8,22 @@ do not notice the lag). Handing one over updates the cost fits and tables: ~9 us
 taking and feeding together cost 18 us a step at c1 on the H200's host, taking alone 8 us (docs/PERF.md, runs
 48 and 51), so a plain stretch's steps are sampled once in STRETCH_SAMPLE, their mean counted as that many
 steps. A sample whose steps captured a CUDA graph is dropped: its time is the capture's.
+
+Each step's host time (its wall time in Engine.step less the runner's synchronised work: the choice, the
+commit) is summed by kind of step (a speculating one, a plain one) and handed over with the cost samples, as
+the mean of the steps since: the policy prices it (step_costs.H_verify / H_plain).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from refengine.plan import DecodePlan, VerifyPlan
 from refengine.spec_decode.adaptive import AdaptivePolicy
 
 TIMINGS = ("draft_s", "verify_s", "decode_s", "catch_up_s")  # the runner's timings a sample reads
+BUSY = ("draft_s", "verify_s", "decode_s", "shadow_s")  # the runner's synchronised work of a decode / verify step
 
 
 class CostSamples:
@@ -29,6 +35,8 @@ class CostSamples:
         self._captured = 0  # graphs captured as of the current plan
         self._pending: list[tuple] = []  # samples taken since the last feed (one, or a stretch's last two)
         self._decodes = 0  # decode steps since the last sample (a plain stretch samples every few)
+        self._step_at = (0.0, 0.0)  # the current step's start: (perf_counter, the runner's busy seconds)
+        self._host = {"verify": [0.0, 0.0, 0], "plain": [0.0, 0.0, 0]}  # kind -> [seconds, requests, steps]
 
     def bind(self, timings: dict[str, float], captures: Callable[[], int] | None) -> None:
         """The runner's cumulative synchronised timings, and its count of graphs captured so far."""
@@ -38,6 +46,26 @@ class CostSamples:
 
     def _count(self) -> int:
         return self._captures() if self._captures is not None else 0
+
+    def _busy(self) -> float:
+        t = self._timings
+        return sum(t.get(k, 0.0) for k in BUSY) if t is not None else 0.0
+
+    def step_started(self) -> None:
+        """Engine.step begins (before the schedule): its host time is counted from here."""
+        self._step_at = (time.perf_counter(), self._busy())
+
+    def step_ended(self, plan: VerifyPlan | DecodePlan) -> None:
+        """The step of `plan` committed: its wall time since step_started less the runner's synchronised work
+        is the host's, summed for its kind (a verify plan: "verify"; a decode plan: "plain")."""
+        if self._timings is None:
+            return
+        t0, busy0 = self._step_at
+        host = time.perf_counter() - t0 - (self._busy() - busy0)
+        acc = self._host["verify" if isinstance(plan, VerifyPlan) else "plain"]
+        acc[0] += max(host, 0.0)
+        acc[1] += len(plan.requests)
+        acc[2] += 1
 
     def mark_plan(self) -> None:
         """A plan is made: the graphs captured so far (a step that captures one is no sample)."""
@@ -88,3 +116,7 @@ class CostSamples:
             samples, self._pending = self._pending, []
             for sample in samples:
                 self.policy.observe_step(*sample)
+            for kind, acc in self._host.items():  # (at the samples' rate: a plain stretch's one in a few)
+                if acc[2]:
+                    self.policy.cost.observe_host(kind, acc[1] / acc[2], acc[0] / acc[2])
+                    acc[:] = [0.0, 0.0, 0]

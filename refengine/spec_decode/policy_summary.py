@@ -61,6 +61,10 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             round(policy.last_mean_expected, 3) if policy.last_mean_expected is not None else None
         ),
         **policy.estimates.summary(),
+        "host_ms_model": {  # H_kind(n) = per_step + per_request * n, the host's time a step (step_costs.py)
+            kind: {"per_step": round(f.theta[0], 4), "per_request": round(f.theta[1], 5), "fits": f.updates}
+            for kind, f in policy.cost.host.items()
+        },
         "cost_table_ms": {
             kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
             for kind, table in policy.cost.tables.items()

@@ -91,6 +91,7 @@ class Retirement(Exploration):
         plain = costs[0]
         span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
         probe = self.cost.draft_s(1) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
+        probe += self.cost.host_s("verify", batch)  # (plain: P(n) + H_plain(n), _find_plain_regime)
         probe += self.cost.catch_up_s(prompt_rows)
         if not dormancy.admit(req_id, max_tokens * plain / batch, max(probe, 0.0)):
             return False
@@ -125,7 +126,8 @@ class Retirement(Exploration):
             return None
         if est.later_tested[0] < THIN_EVIDENCE:
             return None
-        costs = (self.cost.plain_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
+        plain = self.cost.plain_s(n) + self.cost.host_s("plain", n)  # a step's time, the host's included
+        costs = (plain, uniform_spec_costs(n, self.block_size, self.cost, self.rows))
         if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
             return None
         return costs

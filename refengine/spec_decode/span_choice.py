@@ -69,11 +69,12 @@ def choose_spans(
     arithmetic, skipped by an O(N) bound when plain clearly wins. `switch_s`: what any speculating choice
     pays on top of its draft and verify (the catch-up of context carried past a plain stretch)."""
     n = len(tables)
-    plain_rate = n / cost.plain_s(n)
+    plain_rate = n / (cost.plain_s(n) + cost.host_s("plain", n))  # a step's time: the runner's and the host's
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain
-    draft_cost = [d + switch_s for d in cost.draft_costs(n)]
+    spec_host = cost.host_s("verify", n)
+    draft_cost = [d + switch_s + spec_host for d in cost.draft_costs(n)]  # what any speculating step pays
     if executed is None:
         executed = executed_rows(rows, n, block)  # by real rows: few distinct shapes
     shapes, of_rows = _shape_index(executed)
@@ -142,8 +143,9 @@ def _shape_index(executed: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
 
 
 def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn) -> list[float]:
-    """[D(n) + V(n, R(n * S)) for S = 0..block] (S < 2 unused): a step where each of n requests drafts span S."""
-    draft = cost.draft_s(n)
+    """[D(n) + V(n, R(n * S)) + H_verify(n) for S = 0..block] (S < 2 unused): a step where each of n requests
+    drafts span S."""
+    draft = cost.draft_s(n) + cost.host_s("verify", n)
     return [0.0, 0.0, *(draft + cost.verify_s(n, rows(n, n * s)) for s in range(2, block + 1))]
 
 

@@ -6,6 +6,10 @@ with a prior.
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
+- H_verify(N), H_plain(N) = h0 + h1*N: the host's own time a step of that kind takes, outside the runner's
+  synchronised work (the scheduler's choice, the commit's per-request bookkeeping): 0 until observed. On the
+  H200 at c32 an adaptive verify step's was ~1.0 ms against a plain step's ~0.14 (run 110), ~10% of a verify
+  step the choice did not price (docs/PERF.md, twenty-third session);
 - C(R) = c0 + c1*R: a catch-up, the projection of R context rows carried past a plain stretch (0 until one
   was seen). Mostly fixed: run eagerly it cost 7.7-8.8 ms however few rows at c1..c16 (H200, Qwen3-4B
   shapes, run 40); replayed from catch-up graphs (runner/catch_up_graphs.py) 0.44-0.55 ms for 101-228 rows
@@ -29,6 +33,8 @@ FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
 VAR_CATCH_UP_ROW = 1e-4  # a catch-up row: prior 2 us, sd 10 us (a row is a gather and a few GEMM rows)
+VAR_HOST, VAR_HOST_REQUEST = 1.0, 0.01  # a step's host time (ms^2): ~0.05-1 ms, ~0.02 ms a request
+HOST_KINDS = ("verify", "plain")  # a speculating step's host time, and a plain (all spans 1) step's
 
 
 class _Fit:
@@ -103,6 +109,10 @@ class CostModel:
     bucket: Callable[[int], int] = _same
     draft_bucket: Callable[[int], int] = _same
     tables: dict[str, dict] = field(default_factory=lambda: {"verify": {}, "draft": {}, "plain": {}})
+    host: dict[str, _Fit] = field(
+        default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
+    )
+    price_host: bool = False  # host_s prices H in the choice; off: fitted and shown only (see host_s)
 
     @classmethod
     def linear(
@@ -144,6 +154,26 @@ class CostModel:
             t = table.get(bucket(m))
             out.append(t if t is not None else max(d0 + d1 * m, 0.0) * 1e-3)
         return out
+
+    def host_s(self, kind: str, n: int) -> float:
+        """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
+        was observed. Off by default: priced, simulation (H200-like host times, 3 paths) moved sharegpt at c32
+        in waves 0.932 -> 0.952 of plain but a tiny-pair-like workload at c1 1.32 -> 1.13 (a thinner margin
+        turns more choices plain on an estimate's dip, and a plain choice is kept until something is learnt);
+        not yet measured on the H200 (docs/PERF.md, twenty-third session)."""
+        return self._host_fit_s(kind, n) if self.price_host else 0.0
+
+    def _host_fit_s(self, kind: str, n: float) -> float:
+        fit = self.host[kind]
+        return max(fit.predict([1.0, n]), 0.0) * 1e-3 if fit.updates else 0.0
+
+    def observe_host(self, kind: str, n: float, seconds: float) -> None:
+        """The mean host time of steps of a kind and their mean request count; capped at SPIKE x the estimate
+        (a garbage-collector pause), once there is one."""
+        current = self._host_fit_s(kind, n)
+        if current > 0.0:
+            seconds = min(seconds, SPIKE * current)
+        self.host[kind].update([1.0, n], seconds * 1e3)
 
     def catch_up_s(self, rows: int) -> float:
         """C(rows): 0 for no rows, or until a catch-up was observed (nothing to price it by yet)."""

@@ -279,6 +279,8 @@ def _simulate_phases(
     policies: list | None = None,
     steady: bool = False,
     seed: int = 1,
+    host: dict[str, tuple[float, float]] | None = None,
+    host_priced: bool = False,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -297,10 +299,14 @@ def _simulate_phases(
     decode step, run 55). `policies`: the adaptive policy is appended to it (its stats, for the caller).
     `steady`: a phase's waves x concurrency requests arrive as slots free up, `concurrency` in flight (each
     arrival its own prefill), instead of in waves that start together (`refengine bench --arrivals steady`).
-    `seed`: the acceptance draws' random path (one path says little at moderate acceptance: docs/PERF.md)."""
+    `seed`: the acceptance draws' random path (one path says little at moderate acceptance: docs/PERF.md).
+    `host`: each step's host time, (fixed s, s a request) by kind: "verify" (adaptive's speculating steps),
+    "plain" (adaptive's plain ones), "engine" (plain decode's own engine), which the policy observes as
+    CostSamples hands it over; `host_priced`: its choice prices it (CostModel.price_host)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
+    pol.cost.price_host = host_priced
     if policies is not None:
         policies.append(pol)
     if seeded:
@@ -342,6 +348,12 @@ def _simulate_phases(
             rows = _graph_rows(len(live), sum(spans))
             verify = true.verify_s(len(live), rows) if drafted else true.plain_s(len(live))
             elapsed += draft + verify + (taps_s if not drafted and mode == "adaptive" and not retired else 0.0)
+            if host is not None:
+                kind = "verify" if drafted else ("plain" if mode == "adaptive" and not retired else "engine")
+                h = host[kind][0] + host[kind][1] * len(live)
+                elapsed += h
+                if mode == "adaptive" and not retired:  # (as CostSamples hands it over; priced or not)
+                    pol.cost.observe_host(kind, len(live), h)
             if not retired:
                 pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
             for r, s in zip(live, spans):
