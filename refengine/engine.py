@@ -276,9 +276,9 @@ class Engine:
         rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
         serving."""
         sched = self.scheduler
-        costs = sched.costs
+        costs = sched.costs if sched.costs is not None and sched.costs.policy.cost.price_host else None
         if costs is not None:
-            costs.step_started()  # the host's share of the step is priced by the adaptive policy
+            costs.step_started()  # the host's share of the step, priced by the policy (CostModel.price_host)
         plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:

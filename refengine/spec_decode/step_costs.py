@@ -112,7 +112,7 @@ class CostModel:
     host: dict[str, _Fit] = field(
         default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
     )
-    price_host: bool = False  # host_s prices H in the choice; off: fitted and shown only (see host_s)
+    price_host: bool = False  # measure the host's time a step (Engine.step) and price it in the choice (host_s)
 
     @classmethod
     def linear(

@@ -2,14 +2,17 @@
 H_verify / H_plain). Checks that:
 - CostSamples counts a step's host time as its wall time less the runner's synchronised work, by kind of step,
   and hands the means over with the cost samples;
-- an adaptive CPU engine fits both kinds from its own steps (shown as host_ms_model in the policy's stats);
-- the choice prices them only with CostModel.price_host (off by default), and then a speculating choice that
-  wins on the runner's times alone, but not once its extra host time is paid, is plain.
+- an adaptive CPU engine with CostModel.price_host fits both kinds from its own steps (host_ms_model in the
+  policy's stats), and without it measures nothing (the measurement costs host time itself);
+- the choice prices them only with price_host (off by default), and then a speculating choice that wins on the
+  runner's times alone, but not once its extra host time is paid, is plain.
 
 Run: python -m pytest tests/unit/test_host_costs.py -q
 """
 
 from __future__ import annotations
+
+import pytest
 
 from refengine import SamplingParams
 from refengine.plan import DecodePlan, VerifyPlan
@@ -50,10 +53,12 @@ def test_a_steps_host_time_is_its_wall_less_the_runners_work(monkeypatch):
     assert fitted["verify"] > fitted["plain"] > 0.0, f"one sample each moves the fits toward 1.0 / 0.2 ms: {fitted}"
 
 
-def test_an_adaptive_engine_fits_its_steps_host_time(trained_pair):
+@pytest.mark.parametrize("priced", [False, True])
+def test_an_adaptive_engine_fits_its_steps_host_time_when_priced(trained_pair, priced):
     engine = cpu_engine(trained_pair.target, trained_pair.draft, max_num_seqs=4, speculation="adaptive")
     policy = engine.scheduler.policy
     assert policy is not None
+    policy.cost.price_host = priced
     turns = [0]
 
     def alternating(req_ids, remaining):  # speculating and plain decisions in turn: both kinds of step
@@ -68,11 +73,14 @@ def test_an_adaptive_engine_fits_its_steps_host_time(trained_pair):
     while engine.has_work():
         engine.step()
     model = policy.summary()["host_ms_model"]
+    if not priced:
+        assert model["verify"]["fits"] == model["plain"]["fits"] == 0, f"measured while off: {model}"
+        assert policy.cost.host_s("verify", 4) == 0.0
+        return
     assert model["verify"]["fits"] >= 2 and model["plain"]["fits"] >= 2, model
     for kind in ("verify", "plain"):
-        h = policy.cost._host_fit_s(kind, 4)
+        h = policy.cost.host_s(kind, 4)
         assert 0.0 < h < 0.5, f"{kind}: {h * 1e3:.3f} ms a step of host time on the CPU: {model}"
-    assert policy.cost.host_s("verify", 4) == 0.0, "priced without price_host"
 
 
 def test_the_choice_prices_host_time_only_when_asked():
