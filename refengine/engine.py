@@ -274,7 +274,8 @@ class Engine:
         plan's unfinished requests finish with ERROR. Nothing is re-raised (except KeyboardInterrupt and
         other non-Exception exits, and a TensorParallelError: a dead rank or a closed group, after the
         rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
-        serving."""
+        serving. A failure in the adaptive policy's choice (in the schedule) decodes that step plainly, logged
+        and counted (Scheduler._choose)."""
         sched = self.scheduler
         costs = sched.costs if sched.costs is not None and sched.costs.policy.cost.price_host else None
         if costs is not None:

@@ -16,6 +16,7 @@ plan's unfinished requests with ERROR and frees what they hold, leaving every ot
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -32,6 +33,8 @@ from refengine.spec_decode.plain_stretch import PlainStretch
 from refengine.spec_decode.proposer import DraftItem, Proposer
 from refengine.spec_decode.shadow_probe import ShadowProbes
 from refengine.validation import validate_prompt
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(StepCommit):
@@ -212,7 +215,7 @@ class Scheduler(StepCommit):
                 retired = self.policy.retired
                 if retired and all(r.request_id in retired for r in spec):
                     return self._decode(spec)  # every one retired from speculation: plain decode's own step
-                spans = self.policy.choose([r.request_id for r in spec], remaining)
+                spans = self._choose(spec, remaining)
                 newly = self.policy.take_retired()
                 if newly:
                     out_len = {r.request_id: len(r.output_ids) for r in spec}
@@ -246,6 +249,20 @@ class Scheduler(StepCommit):
             self._verify_turn = True
             return self._decode(plain)
         return None
+
+    def _choose(self, spec: list[Request], remaining: list[int]) -> list[int]:
+        """The policy's spans for the step; if its choice raises (a bug in it), plain decode for every request,
+        logged and counted (AdaptivePolicy.errors, in its stats): spans never change a greedy output, so the
+        engine keeps serving, where the exception, raised outside the step's transaction, used to stop it
+        (twenty-third session: a retired request chosen to draft, docs/PERF.md). The bench fails on any."""
+        assert self.policy is not None
+        try:
+            return self.policy.choose([r.request_id for r in spec], remaining)
+        except Exception as e:
+            self.policy.errors += 1
+            log.warning("the adaptive policy's choice failed (%s: %s): this step decodes plainly", type(e).__name__, e)
+            log.debug("the failed choice's traceback", exc_info=e)
+            return [1] * len(spec)
 
     def _shadow_step(
         self, spec: list[Request], spans: list[int], probed: list[int], uncaptured: frozenset[int]

@@ -107,6 +107,8 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     n = len(prompts)
     budgets = [output_tokens] * n if in_flight is None else steady_budgets(n, in_flight, output_tokens)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
+    policy = engine.scheduler.policy
+    errors_before = policy.errors if policy is not None else 0
     queue = [(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts, budgets)]
     reqs: list = []
     running: list = []  # steady arrivals: the submitted requests not yet finished
@@ -147,6 +149,11 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     plans = Counter(engine.scheduler.plan_counts)
     plans.subtract(plans_before)
     check_ran(reqs, budgets)
+    if policy is not None and policy.errors > errors_before:
+        raise BenchError(
+            f"the adaptive policy's choice raised {policy.errors - errors_before} times in this run (those steps "
+            "decoded plainly; the engine logged each): a bug, and the row would not measure the policy"
+        )
     tokens = sum(len(r.output_ids) for r in reqs)
     stats = SpecStats()
     for r in reqs:

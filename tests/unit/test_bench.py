@@ -1,7 +1,8 @@
 """`refengine bench` on the CPU with quick settings (the tiny pairs, concurrency 1,2, a few tokens, 1 repeat):
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels, the
 steps and wall time by step kind), that a rejected request fails the run (exit 2 and a message), that a
-profile run labels every speculating row and reproduces the profile's tau, that each mode's engine runs alone
+profile run labels every speculating row and reproduces the profile's tau, that a run whose adaptive policy
+raised fails too, that each mode's engine runs alone
 (freed before the next loads; plain once per concurrency) and settles with runs of the measured length (a short
 --output-tokens fits its context cap), the paired method (rounds in a balanced order, ratios to
 plain in the same round, the control), steady arrivals (c requests in flight), the bundled prompt sets, and the
@@ -79,6 +80,26 @@ def test_bench_fails_loudly_when_a_request_is_rejected(capsys):
     rc, _, err = _bench(capsys, *RANDOM, "--output-tokens", "8", "--max-model-len", "10", "--modes", "plain")
     assert rc == 2
     assert "rejected" in err and "context_length" in err, err
+
+
+def test_bench_fails_loudly_when_the_adaptive_policy_raises():
+    # the engine decodes such a step plainly and goes on (Scheduler._choose); a bench row would then measure
+    # something else than the policy, so the run fails with a message
+    from refengine.bench.run import engine_for, run_once
+
+    engine = engine_for(
+        "adaptive", str(RANDOM_PAIR / "target"), str(RANDOM_PAIR / "draft"), device="cpu", synthetic=False,
+        max_num_seqs=2, max_model_len=64, override=None,
+    )  # fmt: skip
+    policy = engine.scheduler.policy
+
+    def broken(req_ids, remaining):
+        raise RuntimeError("injected policy bug")
+
+    policy.choose = broken
+    with pytest.raises(BenchError, match="choice raised"):
+        run_once(engine, [[5, 6, 7, 8], [9, 10, 11]], 6)
+    assert policy.errors > 0 and not engine.has_work()
 
 
 def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):

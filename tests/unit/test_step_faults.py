@@ -4,7 +4,8 @@ staging, in the drafter-context allocation at admission, or a malformed result, 
 and finish with FinishReason.ERROR (the exception in the message) if their second step fails too. A fault
 inside commit finishes the plan's unfinished requests with ERROR. In every case step() does not raise, every
 other request produces exactly its bs=1 output, new requests are served, integrity holds after every step
-(conftest) and the pool drains to fully free. The same around adaptive requests retired from speculation.
+(conftest) and the pool drains to fully free. The same around adaptive requests retired from speculation. A
+failing adaptive choice decodes that step plainly and the engine goes on.
 Also: check_integrity names the disagreements it must catch.
 
 Run: python -m pytest -q tests/unit/test_step_faults.py
@@ -159,6 +160,26 @@ def test_faults_around_retired_requests_are_lossless(random_pair, refs, point, a
     _exact(reqs, refs, range(4))
     steps = [(r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
     assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
+
+
+def test_a_failing_policy_choice_decodes_plainly_and_the_engine_goes_on(random_pair, refs):
+    """The adaptive policy's choice runs in the schedule, outside the step's transaction: an exception there (a
+    bug in it) used to stop the engine. Now that step decodes plainly (spans never change a greedy output), the
+    failure is logged and counted, and the engine goes on: outputs exact, nothing leaks."""
+    engine, policy = _adaptive_at_tau1(random_pair)
+    choose, calls = policy.choose, [0]
+
+    def sometimes_broken(req_ids, remaining):
+        calls[0] += 1
+        if calls[0] in (2, 5):
+            raise KeyError(12345)  # as a released drafter context's lookup did (twenty-third session)
+        return choose(req_ids, remaining)
+
+    policy.choose = sometimes_broken  # type: ignore[method-assign]
+    reqs = [_add(engine, i) for i in range(4)]
+    _drain(engine)
+    assert policy.errors == 2 and policy.summary()["errors"] == 2, (calls, policy.summary()["errors"])
+    _exact(reqs, refs, range(4))
 
 
 def test_prefill_fault_undoes_a_dormant_admission(random_pair, refs):
