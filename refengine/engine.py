@@ -277,9 +277,9 @@ class Engine:
         serving. A failure in the adaptive policy's choice (in the schedule) decodes that step plainly, logged
         and counted (Scheduler._choose)."""
         sched = self.scheduler
-        costs = sched.costs if sched.costs is not None and sched.costs.policy.cost.price_host else None
-        if costs is not None:
-            costs.step_started()  # the host's share of the step, priced by the policy (CostModel.price_host)
+        host_timing = sched.costs if sched.costs is not None and sched.costs.policy.cost.price_host else None
+        if host_timing is not None:
+            host_timing.step_started()  # the host's share of the step, priced by the policy (CostModel.price_host)
         plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:
@@ -307,8 +307,8 @@ class Engine:
                     self._log_failure(plan, e)
                     sched.abandon(plan, e)
                 else:
-                    if costs is not None and not isinstance(plan, PrefillPlan):
-                        costs.step_ended(plan)
+                    if host_timing is not None and not isinstance(plan, PrefillPlan):
+                        host_timing.step_ended(plan)
         done = sched.take_done()
         self.finished.extend(done)
         return done

@@ -260,6 +260,7 @@ class Scheduler(StepCommit):
             return self.policy.choose([r.request_id for r in spec], remaining)
         except Exception as e:
             self.policy.errors += 1
+            self.policy.probed = []  # a failed choice's probes must not become this plain step's shadow probes
             log.warning("the adaptive policy's choice failed (%s: %s): this step decodes plainly", type(e).__name__, e)
             log.debug("the failed choice's traceback", exc_info=e)
             return [1] * len(spec)

@@ -50,7 +50,7 @@ class CostSamples:
 
     def _busy(self) -> float:
         t = self._timings
-        return t["draft_s"] + t["verify_s"] + t["decode_s"] + t["shadow_s"] if t is not None else 0.0  # BUSY
+        return sum(map(t.__getitem__, BUSY)) if t is not None else 0.0
 
     def step_started(self) -> None:
         """Engine.step begins (before the schedule): its host time is counted from here."""

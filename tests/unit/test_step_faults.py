@@ -167,18 +167,30 @@ def test_a_failing_policy_choice_decodes_plainly_and_the_engine_goes_on(random_p
     bug in it) used to stop the engine. Now that step decodes plainly (spans never change a greedy output), the
     failure is logged and counted, and the engine goes on: outputs exact, nothing leaks."""
     engine, policy = _adaptive_at_tau1(random_pair)
-    choose, calls = policy.choose, [0]
+    choose, calls, left_probed = policy.choose, [0], []
 
     def sometimes_broken(req_ids, remaining):
         calls[0] += 1
-        if calls[0] in (2, 5):
+        spans = choose(req_ids, remaining)  # (its state changed, as a choice failing late leaves it)
+        if policy.probed and policy.errors < 2:  # the first two choices that probe someone fail
             raise KeyError(12345)  # as a released drafter context's lookup did (twenty-third session)
-        return choose(req_ids, remaining)
+        return spans
+
+    sched_choose = engine.scheduler._choose
+
+    def watched(spec, remaining):
+        errors = policy.errors
+        spans = sched_choose(spec, remaining)
+        if policy.errors > errors:
+            left_probed.append(list(policy.probed))  # a failed choice's probes, left for shadowable to read
+        return spans
 
     policy.choose = sometimes_broken  # type: ignore[method-assign]
+    engine.scheduler._choose = watched  # type: ignore[method-assign]
     reqs = [_add(engine, i) for i in range(4)]
     _drain(engine)
     assert policy.errors == 2 and policy.summary()["errors"] == 2, (calls, policy.summary()["errors"])
+    assert left_probed == [[], []], f"probes left after failed choices: {left_probed}"
     _exact(reqs, refs, range(4))
 
 
