@@ -112,7 +112,7 @@ class CostModel:
     host: dict[str, _Fit] = field(
         default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
     )
-    price_host: bool = False  # measure the host's time a step (Engine.step) and price it in the choice (host_s)
+    price_host: bool = True  # measure the host's time a step (Engine.step) and price it in the choice (host_s)
 
     @classmethod
     def linear(
@@ -157,10 +157,10 @@ class CostModel:
 
     def host_s(self, kind: str, n: int) -> float:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
-        was observed. Off by default: priced, simulation (H200-like host times, 3 paths) moved sharegpt at c32
-        in waves 0.932 -> 0.952 of plain but a tiny-pair-like workload at c1 1.32 -> 1.13 (a thinner margin
-        turns more choices plain on an estimate's dip, and a plain choice is kept until something is learnt);
-        not yet measured on the H200 (docs/PERF.md, twenty-third session)."""
+        was observed. On by default since the H200's in-process A/B (run 113, 9 rotating rounds): sharegpt c32
+        in waves 0.942 -> 1.015 of plain, steady 0.965 -> 0.988, the trained tiny pair at c1 2.88 -> 2.85 and
+        c8 equal (simulation had warned of a tiny-pair-like c1 trap: a thinner margin turns choices plain on an
+        estimate's dip; docs/PERF.md, twenty-fourth session)."""
         return self._host_fit_s(kind, n) if self.price_host else 0.0
 
     def _host_fit_s(self, kind: str, n: float) -> float:
