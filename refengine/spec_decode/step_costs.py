@@ -112,7 +112,7 @@ class CostModel:
     host: dict[str, _Fit] = field(
         default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
     )
-    price_host: bool = True  # measure the host's time a step (Engine.step) and price it in the choice (host_s)
+    price_host: bool = False  # measure the host's time a step (Engine.step) and price it in the choice (host_s)
 
     @classmethod
     def linear(
@@ -157,10 +157,13 @@ class CostModel:
 
     def host_s(self, kind: str, n: int) -> float:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
-        was observed. On by default since the H200's in-process A/B (run 113, 9 rotating rounds): sharegpt c32
-        in waves 0.942 -> 1.015 of plain, steady 0.965 -> 0.988, the trained tiny pair at c1 2.88 -> 2.85 and
-        c8 equal (simulation had warned of a tiny-pair-like c1 trap: a thinner margin turns choices plain on an
-        estimate's dip; docs/PERF.md, twenty-fourth session)."""
+        was observed. Off by default: on the H200 (twenty-fourth session, docs/PERF.md) no gain stood out of
+        the noise. Run 113's in-process A/B (9 rotating rounds) read sharegpt c32 waves 1.015 of plain priced
+        against 0.942 unpriced, but round by round priced / unpriced had median 0.998 (three rounds 1.09-1.14,
+        where the unpriced run was slow; the rest 0.97-1.03), steady 0.996, the trained tiny pair c1 0.989 (one
+        round 0.70: the trap simulation warned of, a thinner margin turning choices plain on an estimate's dip)
+        and c8 1.043; `refengine bench --paired` priced (run 115) gave sharegpt c32 waves 0.952 and steady
+        0.956, against 0.964 / 1.003 unpriced in run 110."""
         return self._host_fit_s(kind, n) if self.price_host else 0.0
 
     def _host_fit_s(self, kind: str, n: float) -> float:

@@ -4,9 +4,9 @@ H_verify / H_plain). Checks that:
   and hands the means over with the cost samples;
 - an adaptive CPU engine with CostModel.price_host fits both kinds from its own steps (host_ms_model in the
   policy's stats), and without it measures nothing (the measurement costs host time itself);
-- the choice prices them only with price_host (on by default since the H200 A/B of the twenty-fourth session),
-  and then a speculating choice that wins on the runner's times alone, but not once its extra host time is paid,
-  is plain.
+- the choice prices them only with price_host (off by default: no gain measured on the H200, docs/PERF.md), and
+  then a speculating choice that wins on the runner's times alone, but not once its extra host time is paid, is
+  plain.
 
 Run: python -m pytest tests/unit/test_host_costs.py -q
 """
@@ -88,8 +88,7 @@ def test_the_choice_prices_host_time_only_when_asked():
     # runner times alone: a c8 batch at acceptance 0.5 speculates; 3 ms of host a speculating step (against 0.1
     # for a plain one) makes it lose
     cost = CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
-    assert cost.price_host, "priced by default"
-    cost.price_host = False
+    assert not cost.price_host, "not priced by default"
     tables = [geometric_table(0.5, B)] * 8
     assert choose_spans(tables, [100] * 8, B, cost).cap > 1
     for _ in range(20):
