@@ -166,6 +166,7 @@ class Engine:
             self.runner.verify_rows,
             self.runner.graph_captures,
             buckets=(self.runner.batch_bucket, self.runner.draft_bucket),
+            draft_caps=self.runner.draft_score_cap,
         )
         if self.scheduler.costs is not None:  # adaptive: its cost samples go over while graphs run
             self.runner.while_waiting = self.scheduler.costs.feed

@@ -81,14 +81,16 @@ class Scheduler(StepCommit):
         rows: Callable[[int, int], int] | None = None,
         captures: Callable[[], int] | None = None,
         buckets: tuple[Callable[[int], int], Callable[[int], int]] | None = None,
+        draft_caps: Callable[[int], int | None] | None = None,
     ) -> None:
         """The runner's cumulative GPU-synchronised timings (draft_s, verify_s): the adaptive policy's costs.
         `rows(n, real_rows)`: the rows a verify computes (graph shapes); `captures()`: graphs captured so far
         (a step that captured one is not a cost sample); `buckets`: the batch shapes a target step / a draft of n
-        requests runs (the cost table's keys)."""
+        requests runs (the cost table's keys); `draft_caps(widest)`: the draft graph's score cap for a step whose
+        largest span is `widest`, None for the full block's (graphs.py)."""
         if self.policy is not None and self.costs is not None:
             self.costs.bind(timings, captures)
-            self.policy.bind_shapes(rows, buckets)
+            self.policy.bind_shapes(rows, buckets, draft_caps)
 
     # ---- admission ---------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:

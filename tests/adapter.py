@@ -75,10 +75,10 @@ def record_draft_costs(engine: Engine) -> list[tuple[float, float]]:
     log: list[tuple[float, float]] = []
     observe = policy.observe_step
 
-    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0, carried_rows=None, steps=1):
+    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0, carried_rows=None, steps=1, widest=0):
         if drafted:
             log.append((draft_s, catch_up_s))
-        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s, carried_rows, steps)
+        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s, carried_rows, steps, widest)
 
     policy.observe_step = observe_step  # type: ignore[method-assign]
     return log

@@ -6,7 +6,10 @@ N <= bucket requests replays the smallest cap that holds its rows: real rows are
 order), padding requests (one row each, or a whole block for the drafter) follow on the pool's dummy pages,
 and any rows left over are padding too. Verify graphs have caps 2, 4, ..., span (`row_caps`), so a step
 mixing span-1 requests with a few full spans (adaptive speculation) computes about its own rows, not
-bucket x span; the drafter's blocks are always B rows (one cap). Graphs of one bucket share one attention
+bucket x span. The drafter's blocks are always B rows (its attention within a block is non-causal); its caps
+are score caps instead: a draft graph of cap c scores (LM head + argmax) rows 1..c-1 of each block, the drafts
+a verify of span <= c reads (at Qwen3-4B shapes and c32 the LM head over 15 rows a block is 0.60 ms, over 3
+rows 0.24: docs/PERF.md, twenty-fourth session). Graphs of one bucket share one attention
 wrapper, first planned at the bucket's most rows. Dense segments are captured; attention is replayed from a
 FlashInfer CUDA-graph-mode wrapper re-planned on the host before every replay, either eagerly between the
 segments ("piecewise", the upstream design) or inside one graph ("full").
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,9 +64,18 @@ class StepGraph:
     """One captured shape: persistent buffers, the attention for its batch, the replayable pieces."""
 
     def __init__(
-        self, stack: SegmentedStack, attention, bucket: int, cap: int, rows: int, causal: bool, buffers: StepState
+        self,
+        stack: SegmentedStack,
+        attention,
+        bucket: int,
+        cap: int,
+        rows: int,
+        causal: bool,
+        buffers: StepState,
+        pad_rows: int = 1,
     ):
         self.stack, self.attention, self.bucket, self.cap, self.causal = stack, attention, bucket, cap, causal
+        self.pad_rows = pad_rows  # rows of a padding request: 1, or the drafter's whole block
         self.rows = rows  # rows computed at replay (== bucket x cap under the capture-shape rule)
         self.buffers = buffers  # every row of the shape: results are read here (stale past `rows`, rule off)
         self.state = buffers if rows == buffers.ids.shape[0] else buffers.head(rows)  # what the pieces compute
@@ -76,7 +88,7 @@ class StepGraph:
         """Pack the real rows, then the padding requests; returns the attention batch and a [3, rows] int64
         (ids, positions, slots) for the persistent inputs."""
         page, dummy = pool.page_size, pool.dummy_blocks
-        pad_rows = self.cap if not self.causal else 1  # the drafter's blocks are always B rows (its one cap)
+        pad_rows = self.pad_rows
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -157,14 +169,21 @@ class GraphRunner:
     def fits(self, steps: list[StepRow]) -> bool:
         return self.bucket_for(len(steps)) is not None and all(len(s.tokens) <= self.span for s in steps)
 
-    def shape_for(self, n: int, rows: int) -> tuple[int, int]:
+    def shape_for(self, n: int, rows: int, widest: int | None = None) -> tuple[int, int]:
         """(bucket, cap) a step of n requests and `rows` real rows replays (n must fit a bucket). With the
-        capture-shape rule off (tests) there is one cap, the span, as upstream had."""
+        capture-shape rule off (tests) there is one cap, the span, as upstream had. A drafter's step (score
+        caps): the least cap >= `widest`, the largest span any of its drafts serve (default: the block)."""
         bucket = self.bucket_for(n)
         assert bucket is not None, f"{n} requests fit no bucket of {self.buckets}"
-        need = rows + (bucket - n) * (1 if self.causal else self.span)
         caps = self.caps if self.capture_shape_rule else (self.span,)
+        if self.score == "block":
+            return bucket, next((c for c in caps if c >= (widest or self.span)), self.span)
+        need = rows + (bucket - n) * (1 if self.causal else self.span)
         return bucket, next((c for c in caps if bucket * c >= need), self.span)
+
+    def _rows(self, bucket: int, cap: int) -> int:
+        """Rows a shape computes: bucket x cap, or a drafter's bucket x B whatever its score cap."""
+        return bucket * (self.span if self.score == "block" else cap)
 
     def executed_rows(self, n: int, rows: int) -> int:
         """Rows the graph computes for a step of n requests and `rows` real rows (the adaptive policy's cost)."""
@@ -178,7 +197,7 @@ class GraphRunner:
         before = self.captures
         for bucket in self.buckets:
             for cap in self.caps:
-                self._graph(bucket, cap, bucket * cap)
+                self._graph(bucket, cap, self._rows(bucket, cap))
         return self.captures - before
 
     @torch.inference_mode()
@@ -223,26 +242,33 @@ class GraphRunner:
         g = self.graphs.get((bucket, cap))
         if g is not None:
             return g
-        full = bucket * cap
+        full = self._rows(bucket, cap)
         rows = full if self.capture_shape_rule else rows_now  # the rule: capture the key's full shape
-        buffers = self._state(bucket, full)
+        buffers = self._state(bucket, full, cap)
         pool = self.stack.pool
         buffers.slots.fill_(pool.dummy_slot)  # the warm-up run must not touch a real slot
         if buffers.context is not None:
             buffers.context.slots.fill_(pool.dummy_slot)
-        g = StepGraph(self.stack, self._attention_for(bucket), bucket, cap, rows, self.causal, buffers)
+        pad = 1 if self.causal else self.span  # a padding request's rows: one, or a drafter's whole block
+        g = StepGraph(self.stack, self._attention_for(bucket), bucket, cap, rows, self.causal, buffers, pad)
         self._plan_dummy(g.attention, bucket, rows)  # warm-up and capture runs touch no request's KV
         g.pieces = self._capture(g)
         self.graphs[(bucket, cap)] = g
         self.captures += 1
         return g
 
-    def _state(self, bucket: int, rows: int) -> StepState:
+    def _state(self, bucket: int, rows: int, cap: int) -> StepState:
         w = self.stack.embed
         if self.score == "all":
             index = torch.arange(rows)
-        else:  # "block": rows 1..span-1 of each block (the drafter's predictions)
-            index = torch.tensor([i * self.span + j for i in range(bucket) for j in range(1, self.span)])
+        else:  # "block": rows 1..cap-1 of each block (the drafter's predictions a span <= cap reads)
+            index = torch.tensor([i * self.span + j for i in range(bucket) for j in range(1, cap)])
+            # a bucket's score caps compute the same rows and replay one at a time: they share its buffers
+            # but for what they score (the memory planner bills a draft bucket's buffers once)
+            shared = next((g.buffers for (b, _), g in self.graphs.items() if b == bucket), None)
+            if shared is not None:
+                index = index.to(w.device)
+                return replace(shared, score_index=index, argmax=torch.zeros_like(index))
         width = self.stack.context_proj[0].shape[1] if self.stack.context_proj is not None else 0
         return StepState.allocate(
             self.stack.cfg, rows, index, len(self.stack.tap_layers), w.dtype, w.device, context_width=width
@@ -278,13 +304,15 @@ class GraphRunner:
         steps: list[StepRow],
         prepare: Callable[[StepGraph], None] | None = None,
         fill: Callable[[StepState], None] | None = None,
+        widest: int | None = None,
     ) -> StepGraph:
         """Replay the graph of this step's bucket; read results from the returned graph's buffers.
         `prepare(graph)` fills extra persistent inputs (the drafter's context rows) before the replay;
-        `fill(state)` rewrites token ids on the device (StepGraph.replay)."""
+        `fill(state)` rewrites token ids on the device (StepGraph.replay); `widest`: a drafter's largest span
+        (shape_for)."""
         assert self.fits(steps)
         real = sum(len(s.tokens) for s in steps)
-        bucket, cap = self.shape_for(len(steps), real)
+        bucket, cap = self.shape_for(len(steps), real, widest)
         rows_now = real + (bucket - len(steps)) * (self.span if not self.causal else 1)
         g = self._graph(bucket, cap, rows_now)
         if not self.capture_shape_rule and rows_now > g.rows:

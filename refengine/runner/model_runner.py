@@ -94,9 +94,19 @@ class ModelRunner(VerifyStep):
         """The batch shape a draft of m requests runs (m itself when eager)."""
         return _bucket(getattr(self.proposer, "graph", None), m)
 
+    def draft_score_cap(self, widest: int) -> int | None:
+        """The draft graph's score cap for a draft whose largest span is `widest` (graphs.py); None when it is
+        the full block's, or no draft graph runs (the cost table's keys, CostModel.draft_key)."""
+        graph = getattr(self.proposer, "graph", None)
+        if graph is None:
+            return None
+        cap = graph.shape_for(1, 0, widest)[1]
+        return None if cap == graph.span else cap
+
     def shape_costs(self) -> list[tuple[str, object, float]]:
         """Timed replays of the captured shapes as (kind, key, seconds): ('plain', bucket), ('verify', (bucket,
-        rows)), ('draft', bucket): the adaptive policy's start-up cost table."""
+        rows)), ('draft', bucket) for the full block's score cap, ('draft', (bucket, cap)) for a narrower one:
+        the adaptive policy's start-up cost table."""
         out: list[tuple[str, object, float]] = []
         for kind, runner in (("plain", self.graphs.get("decode")), ("verify", self.graphs.get("verify"))):
             if runner is not None:
@@ -104,7 +114,8 @@ class ModelRunner(VerifyStep):
                     out.append((kind, bucket if kind == "plain" else (bucket, bucket * cap), s))
         draft = getattr(self.proposer, "graph", None)
         if draft is not None:
-            out += [("draft", bucket, s) for (bucket, _), s in draft.time_shapes().items()]
+            for (bucket, cap), s in draft.time_shapes().items():
+                out.append(("draft", bucket if cap == draft.span else (bucket, cap), s))
         return out
 
     def _replay(

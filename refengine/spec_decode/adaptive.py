@@ -106,15 +106,20 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         self.bind_shapes(self.rows, None)
 
     def bind_shapes(
-        self, rows: RowsFn | None, buckets: tuple[Callable[[int], int], Callable[[int], int]] | None
+        self,
+        rows: RowsFn | None,
+        buckets: tuple[Callable[[int], int], Callable[[int], int]] | None,
+        draft_caps: Callable[[int], int | None] | None = None,
     ) -> None:
-        """The runner's step shapes: `rows(n, real_rows)` computed by a verify, and the batch buckets of a
-        target step / a draft (the cost table's keys)."""
+        """The runner's step shapes: `rows(n, real_rows)` computed by a verify, the batch buckets of a target
+        step / a draft, and a draft's score cap by its largest span (the cost table's keys)."""
         self._executed: dict[int, tuple[int, ...]] = {}  # n -> executed rows by real rows (choose_spans)
         if rows is not None:
             self.rows = functools.lru_cache(maxsize=4096)(rows)  # a pure function of (n, rows): memoised
         if buckets is not None:  # pure functions of the request count: memoised (looked up every step)
             self.cost.bucket, self.cost.draft_bucket = (functools.lru_cache(maxsize=1024)(b) for b in buckets)
+        if draft_caps is not None:
+            self.cost.draft_cap = functools.lru_cache(maxsize=64)(draft_caps)
 
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
@@ -262,11 +267,12 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         catch_up_s: float = 0.0,
         carried_rows: int | None = None,
         steps: int = 1,
+        widest: int = 0,
     ) -> None:
         """A verify step of n requests and `rows` real rows (`drafted` of them drafting) and its timings;
         `carried_rows`: its choice's `carried_rows` (default: the last choice's; the scheduler passes the
         step's own, as it feeds a sample after the next choice); `steps`: how many such steps the sample's
-        times are the mean of (a plain stretch's);
+        times are the mean of (a plain stretch's); `widest`: its largest span (the draft graph's score cap);
         `catch_up_s`: the part of the draft that projected context carried past a plain stretch (or a prompt),
         learnt as C(rows) (charged to the explorations that would cause one) and kept out of the draft curve: a
         switch's cost, not a steady draft's. Left in the draft curve, the trained tiny pair's drafts looked 4x
@@ -278,7 +284,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
             self.cost.observe_catch_up(carried, catch_up_s)
             self.catch_ups += 1
         executed = rows if not drafted and rows == n else self.rows(n, rows)
-        self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s)
+        self.cost.observe(n, executed, drafted, max(draft_s - catch_up_s, 0.0), verify_s, widest)
         self.elapsed_s += (draft_s + verify_s) * steps
 
     def observe_acceptance(self, req_id: int, span: int, accepted: int) -> None:

@@ -105,18 +105,19 @@ class CostSamples:
         if captured_now:
             return
         if not isinstance(plan, VerifyPlan):
-            self._pending.append((n, n, 0, 0.0, decode_s / steps, 0.0, 0, steps))
+            self._pending.append((n, n, 0, 0.0, decode_s / steps, 0.0, 0, steps, 0))
         else:
             spans = plan.spans
             drafted = sum(s > 1 for s in spans)
-            self._pending.append((n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows, 1))
+            sample = (n, sum(spans), drafted, draft_s, verify_s, catch_up_s, self.policy.carried_rows, 1, max(spans))
+            self._pending.append(sample)
 
     def feed(self) -> None:
         """Hand the pending samples (if any) to the policy."""
         if self._pending:
             samples, self._pending = self._pending, []
-            for sample in samples:
-                self.policy.observe_step(*sample)
+            for n, rows, drafted, draft_s, verify_s, catch_up_s, carried, steps, widest in samples:
+                self.policy.observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s, carried, steps, widest)
             for kind, acc in self._host.items():  # (at the samples' rate: a plain stretch's one in a few)
                 if acc[2]:
                     self.policy.cost.observe_host(kind, acc[1] / acc[2], acc[0] / acc[2])

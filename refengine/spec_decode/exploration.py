@@ -263,7 +263,7 @@ class Exploration:
         requests carry, when `req_ids` are given) minus the time the chosen spans need for the same tokens."""
         n, drafted = len(spans), sum(s > 1 for s in spans)
         if drafted:
-            t = self.cost.draft_s(drafted) + self.cost.verify_s(n, self.rows(n, sum(spans)))
+            t = self.cost.draft_s(drafted, max(spans)) + self.cost.verify_s(n, self.rows(n, sum(spans)))
             t += self.cost.host_s("verify", n)
             if req_ids is not None:
                 t += self.cost.catch_up_s(self._pending_rows(req_ids, spans))

@@ -129,8 +129,9 @@ class LaneDraft:
             self._catch_up([it.req_id for it in items])
         pending = [self._take_pending(it.req_id) for it in items]
         self._prepare(items)
-        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending))
-        return LaunchedDrafts(g.buffers.argmax, [it.span for it in items], b - 1)
+        spans = [it.span for it in items]
+        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending), widest=max(spans))
+        return LaunchedDrafts(g.buffers.argmax, spans, g.cap - 1)  # the graph scores rows 1..cap-1 a block
 
     def _catch_up(self, req_ids: list[int]) -> None:
         """The graph path's flush of more pending rows than the draft graph projects (a prompt, a plain

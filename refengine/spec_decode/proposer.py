@@ -37,12 +37,12 @@ class DraftItem(NamedTuple):
 
 @dataclass
 class LaunchedDrafts:
-    """A draft graph's replay in flight (DFlashLane.launch). `tokens` is its device argmax, [bucket * (B-1)]:
-    request i's drafts are rows [i*(B-1), i*(B-1) + spans[i] - 1)."""
+    """A draft graph's replay in flight (DFlashLane.launch). `tokens` is its device argmax, [bucket * width]:
+    request i's drafts are rows [i*width, i*width + spans[i] - 1)."""
 
     tokens: torch.Tensor
     spans: list[int]
-    width: int  # B - 1
+    width: int  # drafts scored a block: the graph's score cap - 1 (B - 1 at most), >= every span - 1
 
     def read(self) -> list[list[int]]:
         """span - 1 drafts per request (waits for the draft graph)."""

@@ -90,7 +90,7 @@ class Retirement(Exploration):
             return False
         plain = costs[0]
         span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
-        probe = self.cost.draft_s(1) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
+        probe = self.cost.draft_s(1, span) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
         probe += self.cost.host_s("verify", batch)  # (plain: P(n) + H_plain(n), _find_plain_regime)
         probe += self.cost.catch_up_s(prompt_rows)
         if not dormancy.admit(req_id, max_tokens * plain / batch, max(probe, 0.0)):

@@ -73,19 +73,19 @@ def choose_spans(
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain
-    spec_host = cost.host_s("verify", n)
-    draft_cost = [d + switch_s + spec_host for d in cost.draft_costs(n)]  # what any speculating step pays
+    draft_cost = _draft_costs_by_cap(cost, n, block, switch_s + cost.host_s("verify", n))
     if executed is None:
         executed = executed_rows(rows, n, block)  # by real rows: few distinct shapes
     shapes, of_rows = _shape_index(executed)
     verify_cost = np.array([cost.verify_s(n, x) for x in shapes])[of_rows]  # measured table, else the fit
-    cheapest = min(draft_cost[1:]) + float(verify_cost[n + 1 :].min())  # a step drafting 1..n, n+1.. real rows
+    # the cheapest speculating step: drafting 1..n at any score cap, n+1.. real rows
+    cheapest = float(draft_cost[:, 1:].min()) + float(verify_cost[n + 1 :].min())
     if _spec_bound(tables, remaining, block, cheapest) <= plain_rate * SPEC_MARGIN:
         return Decision([1] * n, plain_rate, plain_rate, 1, searched=False)
     if n == 1:  # c1: _search's candidates at k = 0 (k = 1 drafts nothing), without its arrays
         e, best_rate, best_cap, best_spans = tables[0], plain_rate * SPEC_MARGIN, 1, [1]
         for cap in range(2, min(block, remaining[0]) + 1):
-            gain, denom = e[cap] - 1.0, draft_cost[1] + verify_cost[cap]
+            gain, denom = e[cap] - 1.0, draft_cost[cap - 2, 1] + verify_cost[cap]
             if denom > 0 and (1 + gain) > best_rate * denom:
                 best_rate, best_cap, best_spans = (1 + gain) / denom, cap, [cap]
         return Decision(best_spans, best_rate, plain_rate, best_cap) if best_cap > 1 else plain
@@ -97,12 +97,27 @@ def choose_spans(
     return Decision(found[1], found[0], plain_rate, found[2])
 
 
+def _draft_costs_by_cap(cost: CostModel, n: int, block: int, extra: float) -> np.ndarray:
+    """(block - 1, n + 1): row S - 2 is [D(0), ..., D(n)] of a draft whose largest span is S (its graph's score
+    cap: the LM head over fewer rows a block where every span is short, runner/graphs.py), plus `extra` (what
+    any speculating step pays on top: a catch-up, the host's share). Computed once per distinct score cap."""
+    rows: dict[object, list[float]] = {}
+    out = np.empty((block - 1, n + 1))
+    for s in range(2, block + 1):
+        key = cost.draft_cap(s)
+        if key not in rows:
+            rows[key] = [d + extra for d in cost.draft_costs(n, s)]
+        out[s - 2] = rows[key]
+    return out
+
+
 def _search(
-    tables: list[Table], remaining: list[int], top: int, draft_cost: list[float], verify_cost: np.ndarray
+    tables: list[Table], remaining: list[int], top: int, draft_cost: np.ndarray, verify_cost: np.ndarray
 ) -> tuple[float, list[int], int] | None:
     """The best speculating candidate: (rate, spans, cap), or None if none drafts. Candidates are every cap
     S = 2..top (each request at min(S, its budget)) with its k = 0..n-1 smallest-gain requests switched to span
-    1, in that order; the first of the highest rate wins (tests/unit/test_span_search.py holds the plain
+    1, in that order, priced with cap S's draft (`draft_cost`: _draft_costs_by_cap); the first of the highest
+    rate wins (tests/unit/test_span_search.py holds the plain
     enumeration it equals). One array pass: with it choose_spans costs ~0.24 ms at c32 on a 2-core CPU against
     ~0.6 ms as Python loops, and the policy's whole choice ~0.3 ms a speculating c32 step against ~0.8 ms
     (simulated tau-3 waves): run every speculating step, the loops were most of adaptive's host time a step in
@@ -121,7 +136,7 @@ def _search(
     gain = np.cumsum(gains[cap_rows, order], axis=1)
     total = n + np.cumsum(kept - 1, axis=1)  # real rows
     drafted = np.cumsum(kept > 1, axis=1)
-    denom = np.asarray(draft_cost)[drafted] + verify_cost[total]
+    denom = draft_cost[cap_rows, drafted] + verify_cost[total]  # (row c: cap c + 2's draft shape)
     ok = (drafted > 0) & (denom > 0)
     rate = np.where(ok, (n + gain) / np.where(ok, denom, 1.0), -np.inf)
     best = int(np.argmax(rate[:, ::-1]))  # the first of the maxima in (cap, k) order
@@ -144,9 +159,9 @@ def _shape_index(executed: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
 
 def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn) -> list[float]:
     """[D(n) + V(n, R(n * S)) + H_verify(n) for S = 0..block] (S < 2 unused): a step where each of n requests
-    drafts span S."""
-    draft = cost.draft_s(n) + cost.host_s("verify", n)
-    return [0.0, 0.0, *(draft + cost.verify_s(n, rows(n, n * s)) for s in range(2, block + 1))]
+    drafts span S (its draft at that span's score cap)."""
+    host = cost.host_s("verify", n)
+    return [0.0, 0.0, *(cost.draft_s(n, s) + host + cost.verify_s(n, rows(n, n * s)) for s in range(2, block + 1))]
 
 
 def plain_wins_uniformly(table: Table, n: int, plain_s: float, spec_costs: list[float]) -> bool:

@@ -4,7 +4,9 @@ step times); for shapes never measured, linear functions of the shape fitted onl
 with a prior.
 
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
-- D(M) = d0 + d1*M: a draft for M requests (0 when M = 0);
+- D(M) = d0 + d1*M: a draft for M requests (0 when M = 0). Its table is also keyed by the draft graph's score
+  cap, the LM head's rows a block (runner/graphs.py): `draft_s(m, widest)` for a step whose largest span is
+  `widest` (0: the full block's shape, the fit's samples);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
 - H_verify(N), H_plain(N) = h0 + h1*N: the host's own time a step of that kind takes, outside the runner's
   synchronised work (the scheduler's choice, the commit's per-request bookkeeping): 0 until observed. On the
@@ -94,6 +96,11 @@ def _same(n: int) -> int:
     return n
 
 
+def _one_shape(widest: int) -> int | None:
+    """No score caps (an eager drafter): every draft scores the full block."""
+    return None
+
+
 @dataclass
 class CostModel:
     """V(N, R), D(M), P(N) in seconds: per step shape, a table of measured times (seeded from timed graph
@@ -108,6 +115,7 @@ class CostModel:
     catch_up: _Fit = field(default_factory=lambda: _Fit([0.5, 0.002], [VAR_STEP, VAR_CATCH_UP_ROW]))
     bucket: Callable[[int], int] = _same
     draft_bucket: Callable[[int], int] = _same
+    draft_cap: Callable[[int], int | None] = _one_shape  # largest span -> the draft's score cap (None: full)
     tables: dict[str, dict] = field(default_factory=lambda: {"verify": {}, "draft": {}, "plain": {}})
     host: dict[str, _Fit] = field(
         default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
@@ -138,20 +146,35 @@ class CostModel:
         t = self.tables["verify"].get((self.bucket(n), rows))
         return t if t is not None else max(self.verify.predict([1.0, n, rows]), 1e-3) * 1e-3
 
-    def draft_s(self, m: int) -> float:
+    def draft_key(self, m: int, widest: int = 0):
+        """The draft table's key of m drafting requests whose largest span is `widest`: the bucket (the full
+        block's shape; widest 0 means that one), or (bucket, score cap) for a narrower one."""
+        cap = self.draft_cap(widest) if widest else None
+        return self.draft_bucket(m) if cap is None else (self.draft_bucket(m), cap)
+
+    def draft_s(self, m: int, widest: int = 0) -> float:
+        """D(m) of a draft whose largest span is `widest` (0: the full block's shape). A narrower shape never
+        timed is priced as the full one (the fit knows only those)."""
         if not m:
             return 0.0
-        t = self.tables["draft"].get(self.draft_bucket(m))
+        t = self.tables["draft"].get(self.draft_key(m, widest))
+        if t is None and widest:
+            t = self.tables["draft"].get(self.draft_bucket(m))
         return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
 
-    def draft_costs(self, n: int) -> list[float]:
-        """[D(0), D(1), ..., D(n)]: draft_s over a batch's drafting counts in one pass (the span search prices
-        every count each speculating step; 33 draft_s calls were ~0.1 ms of a c32 step on a 2-core CPU)."""
+    def draft_costs(self, n: int, widest: int = 0) -> list[float]:
+        """[D(0), D(1), ..., D(n)]: draft_s(m, widest) over a batch's drafting counts in one pass (the span
+        search prices every count each speculating step; 33 draft_s calls were ~0.1 ms of a c32 step on a
+        2-core CPU)."""
         table, bucket = self.tables["draft"], self.draft_bucket
+        cap = self.draft_cap(widest) if widest else None
         d0, d1 = self.draft.theta
         out = [0.0]
         for m in range(1, n + 1):
-            t = table.get(bucket(m))
+            b = bucket(m)
+            t = table.get(b if cap is None else (b, cap))
+            if t is None and cap is not None:
+                t = table.get(b)
             out.append(t if t is not None else max(d0 + d1 * m, 0.0) * 1e-3)
         return out
 
@@ -187,26 +210,32 @@ class CostModel:
     def observe_catch_up(self, rows: int, seconds: float) -> None:
         self.catch_up.update([1.0, rows], seconds * 1e3)
 
-    def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float) -> None:
-        """One step of n requests computing `rows` rows (`drafted` of them drafting), and its times. A sample
-        over SPIKE x the current estimate (a garbage-collector pause, another process on the device) counts
-        as SPIKE x: one stall must not make a shape look slow for the next dozens of steps."""
+    def observe(self, n: int, rows: int, drafted: int, draft_s: float, verify_s: float, widest: int = 0) -> None:
+        """One step of n requests computing `rows` rows (`drafted` of them drafting, the largest span
+        `widest`), and its times. A sample over SPIKE x the current estimate (a garbage-collector pause,
+        another process on the device) counts as SPIKE x: one stall must not make a shape look slow for the
+        next dozens of steps. The draft fit learns from the full block's shape only."""
         if not drafted and rows == n:
             verify_s = min(verify_s, SPIKE * self.plain_s(n))
             self.plain.update([1.0, n], verify_s * 1e3)
             self._average("plain", self.bucket(n), verify_s)
             return
         verify_s = min(verify_s, SPIKE * self.verify_s(n, rows))
-        draft_s = min(draft_s, SPIKE * self.draft_s(drafted)) if drafted else draft_s
+        draft_s = min(draft_s, SPIKE * self.draft_s(drafted, widest)) if drafted else draft_s
         self.verify.update([1.0, n, rows], verify_s * 1e3)
         self._average("verify", (self.bucket(n), rows), verify_s)
         if drafted:
-            self.draft.update([1.0, drafted], draft_s * 1e3)
-            self._average("draft", self.draft_bucket(drafted), draft_s)
+            key = self.draft_key(drafted, widest)
+            if not isinstance(key, tuple):
+                self.draft.update([1.0, drafted], draft_s * 1e3)
+            self._average("draft", key, draft_s)
 
     def seed(self, kind: str, key, seconds: float) -> None:
-        """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket)."""
+        """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket, or
+        (bucket, score cap) for a narrower score cap than the block's: only the table learns those)."""
         self.tables[kind][key] = max(seconds, MIN_STEP_S)
+        if kind == "draft" and isinstance(key, tuple):
+            return
         x = [1.0, key[0], key[1]] if kind == "verify" else [1.0, key]
         getattr(self, kind).update(x, seconds * 1e3)
 

@@ -2,7 +2,8 @@
 the torch kernels: batch buckets, packing a step into a bucket (real rows first, padding on the dummy pages),
 every graph mode lossless against eager greedy with heterogeneous budgets and staggered arrivals, and the
 capture-shape rule: a verify graph first captured by a short (budget-truncated) step must still serve a long
-one; with the rule switched off (test-only) the same run diverges, as upstream's engine did.
+one; with the rule switched off (test-only) the same run diverges, as upstream's engine did; the draft graph's
+score caps (a draft whose spans are short scores fewer rows a block, the same drafts) and their cost keys.
 
 Run: pytest tests/unit/test_graphs.py        (the same checks on CUDA: tests/gpu/test_gpu_graphs.py)
 """
@@ -17,6 +18,7 @@ import pytest
 from refengine import SamplingParams
 from refengine.runner.graphs import StepRow, batch_buckets, row_caps
 from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE
+from refengine.spec_decode.proposer import DraftItem
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 
 B = 16
@@ -47,6 +49,42 @@ def test_verify_shapes_fit_the_rows_of_the_step(random_pair):
     assert runner.capture_all() == len(batch_buckets(4)) * len(row_caps(B)) and runner.capture_all() == 0
     shared = {id(g.attention) for (bucket, _), g in runner.graphs.items() if bucket == 4}
     assert len(shared) == 1, "the shapes of one bucket share one attention wrapper"
+
+
+def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
+    """The draft graph's score caps (graph_setup.draft_score_caps): a draft whose largest span is S replays the
+    shape that scores rows 1..cap-1 of each block, cap the least of 4, 8, 16 >= S; its drafts are the full
+    shape's first ones; a bucket's caps share its buffers but for the scored rows; the adaptive policy's cost
+    table times each cap (a narrower one keyed (bucket, cap)) and prices a draft by its largest span."""
+    engine = cpu_engine(
+        trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive"
+    )
+    lane, runner = engine.proposer, engine.runner
+    draft = lane.graph
+    assert [draft.shape_for(3, 0, s) for s in (2, 4, 5, 8, 9, B)] == [(4, 4), (4, 4), (4, 8), (4, 8), (4, B), (4, B)]
+    assert [runner.draft_score_cap(s) for s in (3, 8, B)] == [4, 8, None]
+    assert engine.capture_graphs() > 0
+    assert set(draft.graphs) == {(b, c) for b in batch_buckets(4) for c in (4, 8, B)}
+    full, short = draft.graphs[(4, B)], draft.graphs[(4, 4)]
+    assert full.buffers.hidden.data_ptr() == short.buffers.hidden.data_ptr(), "a bucket's caps share buffers"
+    assert (short.buffers.argmax.numel(), full.buffers.argmax.numel()) == (4 * 3, 4 * (B - 1))
+    cost = engine.scheduler.policy.cost  # type: ignore[union-attr]
+    assert {(4, 4), (4, 8), 4} <= set(cost.tables["draft"]), sorted(map(str, cost.tables["draft"]))
+    cost.tables["draft"][(4, 4)] = 1e-3
+    assert cost.draft_s(3, 4) == 1e-3 and cost.draft_s(3, 3) == 1e-3 and cost.draft_s(3, B) == cost.tables["draft"][4]
+    reqs = [engine.add_request([5, 7, 9 + i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(3)]
+    engine.step()  # the prefill
+
+    def items(span):
+        return [DraftItem(r.request_id, r.output_ids[-1], r.committed_len, span) for r in reqs]
+
+    wide = lane.launch(items(B))
+    assert wide is not None and wide.width == B - 1
+    got_wide = wide.read()
+    narrow = lane.launch(items(4))
+    assert narrow is not None and narrow.width == 3
+    got = narrow.read()
+    assert got == [d[:3] for d in got_wide], f"score cap 4 drafts {got} against the full shape's {got_wide}"
 
 
 def test_layout_packs_real_rows_then_padding_on_dummy_pages(random_pair):

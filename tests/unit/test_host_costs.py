@@ -46,7 +46,7 @@ def test_a_steps_host_time_is_its_wall_less_the_runners_work(monkeypatch):
     samples.step_ended(decode)  # 5.2 ms, 5 the runner's
     got = {k: (round(s * 1e3, 6), n, c) for k, (s, n, c) in samples._host.items()}
     assert got == {"verify": (1.0, 4.0, 1), "plain": (0.2, 4.0, 1)}, got
-    samples._pending.append((4, 4, 0, 0.0, 0.005, 0.0, 0, 1))  # a cost sample is due: the host means go with it
+    samples._pending.append((4, 4, 0, 0.0, 0.005, 0.0, 0, 1, 0))  # a cost sample is due: the host means go with it
     samples.feed()
     m = policy.cost
     fitted = {k: round(m._host_fit_s(k, 4) * 1e3, 3) for k in ("verify", "plain")}

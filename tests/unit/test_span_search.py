@@ -5,7 +5,9 @@ to span 1; the first candidate of the highest predicted rate wins if it beats pl
 on random tables, budgets, cost models, graph-row maps and catch-up costs:
 - the chosen spans and predicted rate equal the enumeration's, except on exact ties of rate (where the
   enumeration's running comparison could take a later candidate on a rounding difference of its running sums);
-- CostModel.draft_costs equals draft_s at every count, measured buckets and fitted ones alike;
+  with draft costs by score cap (a draft whose largest span is S priced at its graph's score cap: cap S's
+  candidates pay that draft);
+- CostModel.draft_costs equals draft_s at every count, measured buckets and fitted ones alike, at every span;
 - AcceptanceEstimates.tables gives the same floats from its array pass (_tables_array) as per request.
 
 Run: python -m pytest tests/unit/test_span_search.py -q
@@ -36,11 +38,21 @@ def _enumerated(tables, remaining, block, cost, rows, switch_s):
             drafted = sum(1 for s in cand if s > 1)
             if not drafted:
                 break
-            denom = cost.draft_s(drafted) + switch_s + cost.verify_s(n, rows(n, sum(cand)))
+            denom = cost.draft_s(drafted, cap) + switch_s + cost.verify_s(n, rows(n, sum(cand)))
             rate = (n + sum(e[s] - 1.0 for e, s in zip(tables, cand))) / denom
             if rate > best[0]:
                 best = (rate, cand, cap)
     return None if best[1] is None else best
+
+
+def _score_cap(block: int):
+    """The runner's draft_score_cap for caps 4, 8, ..., block: None for the full block's."""
+
+    def cap(widest: int) -> int | None:
+        c = next(c for c in (4, 8, block) if c >= min(widest, block))
+        return None if c == block else c
+
+    return cap
 
 
 def _padded(n: int, r: int) -> int:
@@ -59,6 +71,11 @@ def test_the_array_search_chooses_as_the_enumeration():
         if rng.random() < 0.5:  # some draft buckets measured, as the GPU engine's tables are
             for m in rng.sample(range(1, n + 1), min(n, 4)):
                 cost.seed("draft", m, rng.uniform(2e-4, 2e-3))
+        if rng.random() < 0.5:  # score caps, some measured cheaper (graph_setup.draft_score_caps)
+            cost.draft_cap = _score_cap(block)
+            for m in rng.sample(range(1, n + 1), min(n, 4)):
+                for cap in {4, 8} & set(range(2, block)):
+                    cost.seed("draft", (m, cap), rng.uniform(1e-4, 1.5e-3))
         tables = [geometric_table(rng.choice([0.0, rng.uniform(0.0, 0.95)]), block) for _ in range(n)]
         tables = [[0.0] + [1.0] * block if rng.random() < 0.15 else t for t in tables]  # retired requests
         remaining = [rng.choice([1, 2, 3, rng.randint(1, 200)]) for _ in range(n)]
@@ -85,6 +102,12 @@ def test_draft_costs_equal_draft_s_at_every_count():
     cost.seed("draft", 32, 3.1e-3)
     got, want = cost.draft_costs(40), [cost.draft_s(m) for m in range(41)]
     assert got == want, f"first difference at m={next(m for m in range(41) if got[m] != want[m])}"
+    cost.draft_cap = _score_cap(16)
+    cost.seed("draft", (8, 4), 0.9e-3)  # bucket 8's 4-cap shape: the others price as the full block's
+    for span in (0, 2, 4, 5, 16):
+        got, want = cost.draft_costs(40, span), [cost.draft_s(m, span) for m in range(41)]
+        assert got == want, f"span {span}: first difference at m={next(m for m in range(41) if got[m] != want[m])}"
+    assert cost.draft_s(6, 3) == 0.9e-3 and cost.draft_s(6, 5) == cost.draft_s(6) == 1.7e-3
 
 
 def test_tables_from_the_array_pass_are_the_same_floats(monkeypatch):
