@@ -53,7 +53,10 @@ class FlashInferGraphAttention:
         ws = self._workspaces.get((dev, workspace))
         if ws is None:
             ws = self._workspaces[(dev, workspace)] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        pages = pool.k[0].shape[0]
+        # page entries a plan may list: every real page once, plus each padding request's dummy pages (they
+        # repeat: 45 full-length requests on a pool with one spare page and 3 padding requests list 3 more
+        # entries than the pool has pages)
+        pages = pool.k[0].shape[0] + batch * len(pool.dummy_blocks)
         self.pool, self.heads = pool, (num_heads, num_kv_heads, head_dim)
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)

@@ -9,6 +9,13 @@ if TYPE_CHECKING:
     from refengine.spec_decode.adaptive import AdaptivePolicy
 
 
+def _table_order(item: tuple) -> tuple:
+    """A cost table's keys in order: a bucket (int) before its (bucket, ...) tuples (the draft table holds
+    both: the full block's shape and narrower score caps')."""
+    key = item[0]
+    return key if isinstance(key, tuple) else (key,)
+
+
 def policy_summary(policy: AdaptivePolicy) -> dict:
     """The policy's inputs and decisions, for stats / bench JSON (times in ms)."""
     v, d, p = ([t * 1e-3 for t in m.theta] for m in (policy.cost.verify, policy.cost.draft, policy.cost.plain))
@@ -67,7 +74,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             for kind, f in policy.cost.host.items()
         },
         "cost_table_ms": {
-            kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items())}
+            kind: {str(k): round(v * 1e3, 3) for k, v in sorted(table.items(), key=_table_order)}
             for kind, table in policy.cost.tables.items()
         },
     }

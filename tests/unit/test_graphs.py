@@ -70,6 +70,7 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     assert (short.buffers.argmax.numel(), full.buffers.argmax.numel()) == (4 * 3, 4 * (B - 1))
     cost = engine.scheduler.policy.cost  # type: ignore[union-attr]
     assert {(4, 4), (4, 8), 4} <= set(cost.tables["draft"]), sorted(map(str, cost.tables["draft"]))
+    assert "(4, 4)" in engine.scheduler.policy.summary()["cost_table_ms"]["draft"]  # type: ignore[union-attr]
     cost.tables["draft"][(4, 4)] = 1e-3
     assert cost.draft_s(3, 4) == 1e-3 and cost.draft_s(3, 3) == 1e-3 and cost.draft_s(3, B) == cost.tables["draft"][4]
     reqs = [engine.add_request([5, 7, 9 + i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(3)]
