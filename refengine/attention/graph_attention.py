@@ -21,6 +21,14 @@ from refengine.kv.pool import KvPool
 FLOAT_WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; shared by a device's wrappers of a kind
 
 
+def page_entries_capacity(pool: KvPool, batch: int) -> int:
+    """The most page-index entries a plan of `batch` requests can list: every real page once (a page belongs to
+    one request), plus each padding request's dummy pages, which repeat. The pool's page count alone fell short
+    where full-length requests fill the pool and padding requests pad the bucket (5 requests of 16 pages on 81
+    real pages, 3 padding requests: 83 entries against 82 pages; tests/unit/test_graphs.py)."""
+    return pool.k[0].shape[0] + batch * len(pool.dummy_blocks)
+
+
 class TorchGraphAttention:
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
 
@@ -53,10 +61,7 @@ class FlashInferGraphAttention:
         ws = self._workspaces.get((dev, workspace))
         if ws is None:
             ws = self._workspaces[(dev, workspace)] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
-        # page entries a plan may list: every real page once, plus each padding request's dummy pages (they
-        # repeat: 45 full-length requests on a pool with one spare page and 3 padding requests list 3 more
-        # entries than the pool has pages)
-        pages = pool.k[0].shape[0] + batch * len(pool.dummy_blocks)
+        pages = page_entries_capacity(pool, batch)
         self.pool, self.heads = pool, (num_heads, num_kv_heads, head_dim)
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
         self._kv_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)

@@ -88,6 +88,44 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     assert got == [d[:3] for d in got_wide], f"score cap 4 drafts {got} against the full shape's {got_wide}"
 
 
+def test_a_plans_page_entries_fit_the_graph_wrappers_buffers(trained_pair, monkeypatch):
+    """Full-length requests filling the pool exactly, padded to their bucket: a verify plan lists every real
+    page plus each padding request's dummy page, more entries than the pool has pages. FlashInfer's graph
+    wrappers size their page-index buffers by page_entries_capacity (the GPU memory test overflowed by one
+    entry at 45 requests of 768 pages in a bucket of 48); every plan here fits it."""
+    import math
+
+    from refengine.attention import graph_attention
+    from refengine.kv.pool import blocks_for
+
+    life, new, fit = 256, 24, 5
+    engine = cpu_engine(
+        trained_pair.target,
+        trained_pair.draft,
+        graph_mode="full",
+        max_num_seqs=8,
+        max_model_len=life,
+        num_blocks=fit * blocks_for(life, 16) + 1,
+    )
+    worst: dict[int, tuple[int, int, int]] = {}  # wrapper -> (most entries, its pool's pages, its capacity)
+    plan = graph_attention.TorchGraphAttention.plan
+
+    def counted(self, batch):
+        entries = sum(math.ceil(k / self.pool.page_size) for k in batch.kv_lens)
+        cap = graph_attention.page_entries_capacity(self.pool, len(batch.kv_lens))
+        worst[id(self)] = (max(worst.get(id(self), (0,))[0], entries), self.pool.k[0].shape[0], cap)
+        return plan(self, batch)
+
+    monkeypatch.setattr(graph_attention.TorchGraphAttention, "plan", counted)
+    reqs = [engine.add_request([7] * (life - new), SamplingParams(max_tokens=new, ignore_eos=True)) for _ in range(6)]
+    while engine.has_work():
+        engine.step()
+    assert all(len(r.output_ids) == new for r in reqs)
+    assert any(e > pages for e, pages, _ in worst.values()), f"no plan listed more entries than pages: {worst}"
+    over = [(e, cap) for e, _, cap in worst.values() if e > cap]
+    assert not over, f"plans listing more page entries than the wrapper holds (entries, capacity): {over}"
+
+
 def test_layout_packs_real_rows_then_padding_on_dummy_pages(random_pair):
     engine = cpu_engine(random_pair.target, random_pair.draft, graph_mode="piecewise", max_num_seqs=4)
     reqs = [engine.add_request([3] * n, SamplingParams(max_tokens=20, ignore_eos=True)) for n in (5, 17)]
