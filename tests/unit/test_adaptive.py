@@ -281,6 +281,7 @@ def _simulate_phases(
     seed: int = 1,
     host: dict[str, tuple[float, float]] | None = None,
     host_priced: bool = False,
+    draft_row_s: float = 0.0,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -302,17 +303,34 @@ def _simulate_phases(
     `seed`: the acceptance draws' random path (one path says little at moderate acceptance: docs/PERF.md).
     `host`: each step's host time, (fixed s, s a request) by kind: "verify" (adaptive's speculating steps),
     "plain" (adaptive's plain ones), "engine" (plain decode's own engine), which the policy observes as
-    CostSamples hands it over; `host_priced`: its choice prices it (CostModel.price_host)."""
+    CostSamples hands it over; `host_priced`: its choice prices it (CostModel.price_host). `draft_row_s`: the
+    drafter's LM head a scored row; with it the draft graphs score rows 1..cap-1 of each block (score caps 4, 8,
+    B: runner/graphs.py), so a draft whose spans are all short costs (B - cap) x that less a request, and the
+    policy's tables know each cap (as Engine.capture_graphs times them)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
     pol.cost.price_host = host_priced
     if policies is not None:
         policies.append(pol)
+
+    def score_cap(widest: int) -> int | None:  # the runner's draft_score_cap
+        cap = next(c for c in (4, 8, B) if c >= widest)
+        return None if cap == B else cap
+
+    def true_draft(m: int, widest: int) -> float:
+        cap = score_cap(widest) if draft_row_s else None
+        return true.draft_s(m) - (m * (B - cap) * draft_row_s if cap is not None else 0.0)
+
+    if draft_row_s:
+        pol.cost.draft_cap = score_cap
     if seeded:
         for b in batch_buckets(32):
             pol.cost.seed("plain", b, true.plain_s(b))
             pol.cost.seed("draft", b, true.draft_s(b))
+            if draft_row_s:
+                for cap in (4, 8):
+                    pol.cost.seed("draft", (b, cap), true_draft(b, cap))
             for c in row_caps(B):
                 pol.cost.seed("verify", (b, b * c), true.verify_s(b, b * c))
     rid, out, drafted_once = 0, [], set()
@@ -339,7 +357,7 @@ def _simulate_phases(
                 want = [1] * len(live) if retired else pol.choose(live, [left[r] for r in live])
             spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
             drafted = sum(s > 1 for s in spans)
-            draft = true.draft_s(drafted)
+            draft = true_draft(drafted, max(spans))
             rows_carried = [carried.get(r, 128) for r, s in zip(live, spans) if s > 1]
             catch_up = 0.0
             if rows_carried and max(rows_carried) > B:
@@ -355,7 +373,7 @@ def _simulate_phases(
                 if mode == "adaptive" and not retired:  # (as CostSamples hands it over; priced or not)
                     pol.cost.observe_host(kind, len(live), h)
             if not retired:
-                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up)
+                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up, widest=max(spans))
             for r, s in zip(live, spans):
                 p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
                 if switch is not None and tokens - left[r] >= switch[0]:
