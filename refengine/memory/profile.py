@@ -90,7 +90,7 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation (with
     shadow probes they have a pool of their own, and a second float workspace, counted here: a shadow
     probe's draft replays beside the decode graph)."""
-    from refengine.runner.graphs import batch_buckets, row_caps
+    from refengine.runner.shapes import batch_buckets, row_caps
 
     c, b = target.cfg, target.dtype.itemsize
     span = draft_cfg.block_size if draft_cfg is not None else 1

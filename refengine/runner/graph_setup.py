@@ -15,7 +15,8 @@ from refengine.models.kernels import kernels_for
 from refengine.models.qwen3 import Qwen3Model
 from refengine.models.segmented import SegmentedStack, merge_layer
 from refengine.runner.capture import Capturer
-from refengine.runner.graphs import GraphRunner, row_caps
+from refengine.runner.graphs import GraphRunner
+from refengine.runner.shapes import row_caps
 
 
 def _attention_factory(

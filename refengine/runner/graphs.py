@@ -33,21 +33,7 @@ from refengine.attention.base import AttnBatch
 from refengine.kv.pool import KvPool
 from refengine.models.segmented import SegmentedStack, StepState
 from refengine.runner.capture import Capturer, sync
-
-
-def row_caps(span: int) -> tuple[int, ...]:
-    """Rows per request of the verify shapes: powers of two from 2 below `span`, then `span` itself."""
-    caps, c = [], 2
-    while c < span:
-        caps.append(c)
-        c *= 2
-    return tuple(caps + [span])
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to max_batch (max_batch itself always included)."""
-    out = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
-    return sorted(set(out + [max_batch]))
+from refengine.runner.shapes import batch_buckets
 
 
 @dataclass(frozen=True)

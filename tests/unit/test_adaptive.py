@@ -17,7 +17,7 @@ import pytest
 
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
-from refengine.runner.graphs import batch_buckets, row_caps
+from refengine.runner.shapes import batch_buckets, row_caps
 from refengine.spec_decode.acceptance_estimate import (
     SHORT_PROBE_EVIDENCE,
     SHORT_PROBE_RATE,

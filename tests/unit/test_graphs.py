@@ -16,7 +16,8 @@ import weakref
 import pytest
 
 from refengine import SamplingParams
-from refengine.runner.graphs import StepRow, batch_buckets, row_caps
+from refengine.runner.graphs import StepRow
+from refengine.runner.shapes import batch_buckets, row_caps
 from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE
 from refengine.spec_decode.proposer import DraftItem
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
