@@ -255,7 +255,7 @@ class Exploration:
         the live requests' remaining work at plain speed (a new request's probe is paid for by its own
         generation), less what it has spent."""
         n = len(remaining)
-        ahead = sum(remaining) * (self.cost.plain_s(n) + self.cost.host_s("plain", n)) / n
+        ahead = sum(remaining) * self.cost.plain_step_s(n) / n
         return EXPLORE_BUDGET * (self.elapsed_s + ahead) - self.regret_s
 
     def _regret(self, spans: list[int], tables: list[Table], d: Decision, req_ids: list[int] | None = None) -> float:
@@ -269,7 +269,7 @@ class Exploration:
                 t += self.cost.catch_up_s(self._pending_rows(req_ids, spans))
             tokens = sum(e[s] for e, s in zip(tables, spans))
         else:
-            t, tokens = self.cost.plain_s(n) + self.cost.host_s("plain", n), float(n)
+            t, tokens = self.cost.plain_step_s(n), float(n)
         return max(0.0, t - tokens / d.predicted_tok_per_s)
 
     def _probing(self, req_id: int) -> bool:

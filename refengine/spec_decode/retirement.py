@@ -126,8 +126,7 @@ class Retirement(Exploration):
             return None
         if est.later_tested[0] < THIN_EVIDENCE:
             return None
-        plain = self.cost.plain_s(n) + self.cost.host_s("plain", n)  # a step's time, the host's included
-        costs = (plain, uniform_spec_costs(n, self.block_size, self.cost, self.rows))
+        costs = (self.cost.plain_step_s(n), uniform_spec_costs(n, self.block_size, self.cost, self.rows))
         if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
             return None
         return costs

@@ -69,7 +69,7 @@ def choose_spans(
     arithmetic, skipped by an O(N) bound when plain clearly wins. `switch_s`: what any speculating choice
     pays on top of its draft and verify (the catch-up of context carried past a plain stretch)."""
     n = len(tables)
-    plain_rate = n / (cost.plain_s(n) + cost.host_s("plain", n))  # a step's time: the runner's and the host's
+    plain_rate = n / cost.plain_step_s(n)
     plain = Decision([1] * n, plain_rate, plain_rate, 1)
     if not any(r > 1 for r in remaining):
         return plain

@@ -180,14 +180,14 @@ class CostModel:
 
     def host_s(self, kind: str, n: int) -> float:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
-        was observed. Off by default: on the H200 (twenty-fourth session, docs/PERF.md) no gain stood out of
-        the noise. Run 113's in-process A/B (9 rotating rounds) read sharegpt c32 waves 1.015 of plain priced
-        against 0.942 unpriced, but round by round priced / unpriced had median 0.998 (three rounds 1.09-1.14,
-        where the unpriced run was slow; the rest 0.97-1.03), steady 0.996, the trained tiny pair c1 0.989 (one
-        round 0.70: the trap simulation warned of, a thinner margin turning choices plain on an estimate's dip)
-        and c8 1.043; `refengine bench --paired` priced (run 115) gave sharegpt c32 waves 0.952 and steady
-        0.956, against 0.964 / 1.003 unpriced in run 110."""
+        was observed. Off by default: on the H200, paired round by round, pricing it gained nothing beyond noise
+        and once fell into the small-batch trap (a choice held plain on an estimate's dip): docs/PERF.md,
+        twenty-fourth session."""
         return self._host_fit_s(kind, n) if self.price_host else 0.0
+
+    def plain_step_s(self, n: int) -> float:
+        """A plain decode step of n requests as the policy prices it: P(n) + H_plain(n)."""
+        return self.plain_s(n) + self.host_s("plain", n)
 
     def _host_fit_s(self, kind: str, n: float) -> float:
         fit = self.host[kind]
