@@ -168,8 +168,8 @@ class Engine:
             buckets=(self.runner.batch_bucket, self.runner.draft_bucket),
             draft_caps=self.runner.draft_score_cap,
         )
-        if self.scheduler.costs is not None:  # adaptive: its cost samples go over while graphs run
-            self.runner.while_waiting = self.scheduler.costs.feed
+        if self.scheduler.policy is not None:  # adaptive: its cost samples and next choice, while graphs run
+            self.runner.while_waiting = self.scheduler.while_waiting
         self.scheduler.shadow_probes = config.shadow_probes and self.scheduler.policy is not None
         self._ids = itertools.count()
         self.finished: list[Request] = []
@@ -285,8 +285,8 @@ class Engine:
         if plan is not None:
             try:
                 result = self.runner.execute(plan)
-                if sched.costs is not None:
-                    sched.costs.feed()  # (a graphed step handed it over while its graph ran: then a no-op)
+                if sched.policy is not None:
+                    sched.while_waiting()  # (a graphed step did it while its graph ran: then a no-op)
                 validate_result(
                     plan,
                     result,

@@ -74,6 +74,7 @@ class Scheduler(StepCommit):
         # EngineConfig.shadow_probes (beside the decode graph on CUDA: runner/shadow_drafts.py)
         self.shadow_probes = False
         self.shadows = ShadowProbes()
+        self._prepare_next = False  # a speculating step was planned: while it runs, prepare the next choice
 
     def bind_timings(
         self,
@@ -246,11 +247,33 @@ class Scheduler(StepCommit):
                 return self._decode(spec, capture=True, uncaptured=uncaptured)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
+            self._prepare_next = self.policy is not None  # while it runs (while_waiting)
             return VerifyPlan(spec, spans, res, uncaptured)
         if plain:
             self._verify_turn = True
             return self._decode(plain)
         return None
+
+    def while_waiting(self) -> None:
+        """Host work that overlaps the step being run (the runner calls it between its graph's launch and its one
+        host sync; Engine.step after the step, when no graph ran it): the cost samples go over, and during a
+        speculating step the adaptive policy prepares the next choice for the requests that will still be
+        running if none finishes (AdaptivePolicy.prepare). Once a step. If the preparation raises (a bug in the
+        policy), it is logged and counted as a failed choice, and the next choice is made as usual."""
+        if self.costs is not None:
+            self.costs.feed()
+        if not self._prepare_next:
+            return
+        self._prepare_next = False
+        assert self.policy is not None
+        spec = [r for r in self.running if self.eligible(r)]
+        try:
+            self.policy.prepare([r.request_id for r in spec], [r.remaining - 1 for r in spec])
+        except Exception as e:
+            self.policy.errors += 1
+            self.policy.drop_prepared()
+            log.warning("the adaptive policy's preparation failed (%s: %s)", type(e).__name__, e)
+            log.debug("the failed preparation's traceback", exc_info=e)
 
     def _choose(self, spec: list[Request], remaining: list[int]) -> list[int]:
         """The policy's spans for the step; if its choice raises (a bug in it), plain decode for every request,

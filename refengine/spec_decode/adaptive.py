@@ -85,6 +85,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
+    prepared: int = 0  # decisions that took the search prepare() did while the step before ran
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
@@ -98,6 +99,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
+    _prepared: tuple | None = None  # prepare()'s (decisions then, (version, request ids), tables, Decision)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
     _reused: bool = False  # the last choose took that fast path
 
@@ -124,6 +126,7 @@ class AdaptivePolicy(Retirement, ShadowChoice):
     def reset_stats(self) -> None:
         """Zero the decision counters (bench rows); the learnt costs and acceptance estimates stay."""
         self.explored, self.searched, self.probes, self.reprobes, self.caps = 0, 0, 0, 0, Counter()
+        self.prepared = 0
         self.shadows = 0
         self.sample.unprobed = self.sample.retirements = 0
         self.dormancy.admitted = self.dormancy.probes = 0
@@ -210,30 +213,61 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         self.caps[1] += 1
         return True
 
-    def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
-        key = (self._version, tuple(req_ids), self._budget_key(min(remaining)))
-        if self._reuse(key):
-            self._reused = True
-            return [1] * len(req_ids)
-        self._settled = self._reused = False
-        # the tables are a pure function of the observations (the version) and the requests: reused across the
-        # exploration checks of a settled plain stretch (32 requests' tables: ~0.25 ms on a 2-core CPU)
-        if self._tables is None or self._tables[0] != key[:2]:
+    def prepare(self, req_ids: list[int], remaining: list[int]) -> None:
+        """The next choice's tables and span search, done now for these requests (`remaining`: their budgets
+        after the current step, as known: at most these): the scheduler calls it while a speculating step's
+        graph runs, where the host only waits. The next choice uses it if it is for the same requests and
+        no choice came between; so a speculating step's spans are chosen on the acceptance observed up to the
+        step before the last, as its costs are (cost_samples.py). Chosen after the commit instead, the search
+        and tables were ~0.36 ms of a ~0.97 ms host step at c32 on the H200, between the GPU's steps (run 116:
+        docs/PERF.md)."""
+        self._prepared = None
+        if req_ids and max(remaining) > 1:
+            key = (self._version, tuple(req_ids))
+            tables = self._tables_of(key, req_ids)
+            self._prepared = (self.steps, key, tables, self._span_search(req_ids, remaining, tables))
+
+    def drop_prepared(self) -> None:
+        self._prepared = None
+
+    def _tables_of(self, key: tuple, req_ids: list[int]) -> list[Table]:
+        """E tables of the requests, a pure function of the observations (the version) and the requests:
+        reused across the exploration checks of a settled plain stretch (32 requests': ~0.25 ms, 2-core CPU)."""
+        if self._tables is None or self._tables[0] != key:
             tables = self.estimates.tables(req_ids)
             if self.retired:  # a retired request commits one token whatever its span: it never drafts
                 flat = [0.0] + [1.0] * self.block_size
                 tables = [flat if r in self.retired else t for r, t in zip(req_ids, tables)]
-            self._tables = (key[:2], tables)
-        tables = self._tables[1]
+            self._tables = (key, tables)
+        return self._tables[1]
+
+    def _span_search(self, req_ids: list[int], remaining: list[int], tables: list[Table]) -> Decision:
+        n = len(req_ids)
+        if n not in self._executed:
+            self._executed[n] = executed_rows(self.rows, n, self.block_size)
+        switch = self._switch_s(req_ids)
+        return choose_spans(tables, remaining, self.block_size, self.cost, self.rows, self._executed[n], switch)
+
+    def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
+        key = (self._version, tuple(req_ids), self._budget_key(min(remaining)))
+        ready, self._prepared = self._prepared, None
+        if self._reuse(key):
+            self._reused = True
+            return [1] * len(req_ids)
+        self._settled = self._reused = False
+        early = None  # the search prepare() did while the last step ran, if for these requests and speculating
+        # (a plain one is searched again: held as the cached plain decision, a stale one would hold until an
+        # exploration, nothing being learnt meanwhile)
+        if ready is not None and ready[0] == self.steps and ready[1][1] == key[1] and ready[3].cap > 1:
+            self._tables, early = ready[1:3], ready[3]  # (its tables: the exploration's and _retire's)
+            tables = ready[2]
+            self.prepared += 1
+        else:
+            tables = self._tables_of(key[:2], req_ids)
         d = self._cached if self._cached is not None and self._holds(key) else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
         if d is None:
-            n = len(req_ids)
-            if n not in self._executed:
-                self._executed[n] = executed_rows(self.rows, n, self.block_size)
-            d = choose_spans(
-                tables, remaining, self.block_size, self.cost, self.rows, self._executed[n], self._switch_s(req_ids)
-            )
+            d = early or self._span_search(req_ids, remaining, tables)
             self._cache_key, self._cached = key, (d if d.cap == 1 else None)
         self.last_mean_expected = sum(e[-1] for e in tables) / len(tables)
         self.steps += 1

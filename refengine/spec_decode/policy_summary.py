@@ -24,6 +24,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
         "errors": policy.errors,  # choices that raised (a bug: the steps decoded plainly; the bench fails on any)
         "explored": policy.explored,
         "searched": policy.searched,
+        "prepared": policy.prepared,  # choices that took the search prepared while the step before ran
         "probes": policy.probes,
         "reprobes": policy.reprobes,
         "shadows": policy.shadows,  # probes drafted while their step decoded plainly (shadow_probe.py)

@@ -282,6 +282,7 @@ def _simulate_phases(
     host: dict[str, tuple[float, float]] | None = None,
     host_priced: bool = False,
     draft_row_s: float = 0.0,
+    prepared: bool = False,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -306,7 +307,9 @@ def _simulate_phases(
     CostSamples hands it over; `host_priced`: its choice prices it (CostModel.price_host). `draft_row_s`: the
     drafter's LM head a scored row; with it the draft graphs score rows 1..cap-1 of each block (score caps 4, 8,
     B: runner/graphs.py), so a draft whose spans are all short costs (B - cap) x that less a request, and the
-    policy's tables know each cap (as Engine.capture_graphs times them)."""
+    policy's tables know each cap (as Engine.capture_graphs times them). `prepared`: each speculating step
+    prepares the next choice before its blocks are observed, as the engine does while the step's graph runs
+    (AdaptivePolicy.prepare)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -372,6 +375,8 @@ def _simulate_phases(
                 elapsed += h
                 if mode == "adaptive" and not retired:  # (as CostSamples hands it over; priced or not)
                     pol.cost.observe_host(kind, len(live), h)
+            if prepared and drafted and mode == "adaptive":  # (as Scheduler.while_waiting, during the step)
+                pol.prepare(live, [left[r] - 1 for r in live])
             if not retired:
                 pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up, widest=max(spans))
             for r, s in zip(live, spans):
