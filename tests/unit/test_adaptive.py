@@ -258,11 +258,11 @@ def test_near_break_even_keeps_plain():
     assert choose_spans(_geo([0.05], 2), [128], 2, cost).spans == [2]
 
 
-def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, tokens: int = 128) -> float:
+def _simulate(mode: str, p_accept: float, concurrency: int, waves: int = 6, tokens: int = 128, **kw) -> float:
     """tok/s of `mode` (adaptive, plain, fixed full spans) on waves of `concurrency` requests of `tokens` new
     tokens, each draft accepted with p_accept (geometric, the same draws for every mode), stepped under GPU-like
     true costs (verify rows in graph shapes) that the policy observes exactly."""
-    return _simulate_phases(mode, [(concurrency, p_accept, waves, tokens)])[0]
+    return _simulate_phases(mode, [(concurrency, p_accept, waves, tokens)], **kw)[0]
 
 
 def _simulate_phases(
