@@ -22,13 +22,14 @@ from refengine.models.segmented import StepState
 from refengine.spec_decode.proposer import DraftItem, LaunchedDrafts, Proposer
 
 
-def launch_drafts(proposer: Proposer, items: list[DraftItem]) -> LaunchedDrafts | None:
+def launch_drafts(proposer: Proposer, items: list[DraftItem], full_block: bool = False) -> LaunchedDrafts | None:
     """The drafts of `items` queued on the device, or None: the proposer has no `launch`, its `propose` was
-    replaced, or no draft graph fits (nothing ran; call propose)."""
+    replaced, or no draft graph fits (nothing ran; call propose). `full_block`: the draft graph scoring the
+    whole block, whatever the spans (not a narrower score cap's)."""
     launch = getattr(proposer, "launch", None)
     if launch is None or "propose" in vars(proposer):
         return None
-    return launch(items)
+    return launch(items, full_block=True) if full_block else launch(items)
 
 
 def placeholders(launched: LaunchedDrafts, item: int) -> list[int]:

@@ -43,7 +43,9 @@ class ShadowDrafts:
         if self.stream is None:
             return
         with torch.cuda.stream(self.stream):
-            launched = launch_drafts(proposer, items)
+            # the full block's score cap: a narrower one's graph, captured on first use, would be captured here,
+            # beside the decode's replay, which invalidates the capture (H200 run 120: every later step failed)
+            launched = launch_drafts(proposer, items, full_block=True)
             if launched is None:
                 return
             n = len(items) * launched.width

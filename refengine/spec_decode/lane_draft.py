@@ -115,10 +115,11 @@ class LaneDraft:
         return out
 
     @torch.inference_mode()
-    def launch(self, items: list[DraftItem]) -> LaunchedDrafts | None:
+    def launch(self, items: list[DraftItem], full_block: bool = False) -> LaunchedDrafts | None:
         """propose's graph path without reading the drafts back: the draft graph is queued and its device
         argmax returned (the runner feeds it to the verify graph on the device). None when no draft graph
-        fits the step (nothing is run then)."""
+        fits the step (nothing is run then). `full_block`: the graph scoring the whole block, not the least
+        score cap its spans need."""
         b = self.block_size
         steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
         if self.graph is None or not self.graph.fits(steps):
@@ -130,7 +131,8 @@ class LaneDraft:
         pending = [self._take_pending(it.req_id) for it in items]
         self._prepare(items)
         spans = [it.span for it in items]
-        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending), widest=max(spans))
+        widest = b if full_block else max(spans)
+        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending), widest=widest)
         return LaunchedDrafts(g.buffers.argmax, spans, g.cap - 1)  # the graph scores rows 1..cap-1 a block
 
     def _catch_up(self, req_ids: list[int]) -> None:
