@@ -22,7 +22,8 @@ Model (all online, with priors):
   and a plain decision is reused until an observation arrives or the batch changes. A draft's
   catch-up of context carried past a plain stretch is not in D: it is learnt as C(rows), a fixed cost plus a
   cost per carried row, and charged to the explorations that would cause one (observe_step) and to every
-  speculating candidate of a choice while one is due (Exploration._switch_s).
+  speculating candidate of a choice while one is due (Exploration._switch_s). A speculating step's next
+  search is prepared while its graph runs (refengine/spec_decode/prepared_choice.py).
 - exploration and probes (refengine/spec_decode/exploration.py): within a budget, the losing kind is tried
   now and then, and new requests draft a block on their first step; while position 1 fails or in a plain
   regime, a sample of them (otherwise, in a large batch decoding plainly, a lone one's probe waits up to
@@ -44,15 +45,16 @@ from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.dormancy import Dormancy
 from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
+from refengine.spec_decode.prepared_choice import PreparedChoice
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.shadow_probe import ShadowChoice
-from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows, real_rows
+from refengine.spec_decode.span_choice import Decision, RowsFn, Table, real_rows
 from refengine.spec_decode.step_costs import CostModel
 
 
 @dataclass
-class AdaptivePolicy(Retirement, ShadowChoice):
+class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     """The scheduler's span chooser in `speculation="adaptive"` mode, with its visible statistics.
     `rows` maps (requests, real rows) to the rows a verify computes (the runner's graph shapes)."""
 
@@ -213,57 +215,14 @@ class AdaptivePolicy(Retirement, ShadowChoice):
         self.caps[1] += 1
         return True
 
-    def prepare(self, req_ids: list[int], remaining: list[int]) -> None:
-        """The next choice's tables and span search, done now for these requests (`remaining`: their budgets
-        after the current step, as known: at most these): the scheduler calls it while a speculating step's
-        graph runs, where the host only waits. The next choice uses it if it is for the same requests and
-        no choice came between; so a speculating step's spans are chosen on the acceptance observed up to the
-        step before the last, as its costs are (cost_samples.py). Chosen after the commit instead, the search
-        and tables were ~0.36 ms of a ~0.97 ms host step at c32 on the H200, between the GPU's steps (run 116:
-        docs/PERF.md)."""
-        self._prepared = None
-        if req_ids and max(remaining) > 1:
-            key = (self._version, tuple(req_ids))
-            tables = self._tables_of(key, req_ids)
-            self._prepared = (self.steps, key, tables, self._span_search(req_ids, remaining, tables))
-
-    def drop_prepared(self) -> None:
-        self._prepared = None
-
-    def _tables_of(self, key: tuple, req_ids: list[int]) -> list[Table]:
-        """E tables of the requests, a pure function of the observations (the version) and the requests:
-        reused across the exploration checks of a settled plain stretch (32 requests': ~0.25 ms, 2-core CPU)."""
-        if self._tables is None or self._tables[0] != key:
-            tables = self.estimates.tables(req_ids)
-            if self.retired:  # a retired request commits one token whatever its span: it never drafts
-                flat = [0.0] + [1.0] * self.block_size
-                tables = [flat if r in self.retired else t for r, t in zip(req_ids, tables)]
-            self._tables = (key, tables)
-        return self._tables[1]
-
-    def _span_search(self, req_ids: list[int], remaining: list[int], tables: list[Table]) -> Decision:
-        n = len(req_ids)
-        if n not in self._executed:
-            self._executed[n] = executed_rows(self.rows, n, self.block_size)
-        switch = self._switch_s(req_ids)
-        return choose_spans(tables, remaining, self.block_size, self.cost, self.rows, self._executed[n], switch)
-
     def _choose(self, req_ids: list[int], remaining: list[int]) -> list[int]:
         key = (self._version, tuple(req_ids), self._budget_key(min(remaining)))
-        ready, self._prepared = self._prepared, None
         if self._reuse(key):
             self._reused = True
             return [1] * len(req_ids)
         self._settled = self._reused = False
-        early = None  # the search prepare() did while the last step ran, if for these requests and speculating
-        # (a plain one is searched again: held as the cached plain decision, a stale one would hold until an
-        # exploration, nothing being learnt meanwhile)
-        if ready is not None and ready[0] == self.steps and ready[1][1] == key[1] and ready[3].cap > 1:
-            self._tables, early = ready[1:3], ready[3]  # (its tables: the exploration's and _retire's)
-            tables = ready[2]
-            self.prepared += 1
-        else:
-            tables = self._tables_of(key[:2], req_ids)
+        ready = self._take_prepared(key[1])  # the search prepared while the last step ran (prepared_choice.py)
+        tables, early = ready if ready is not None else (self._tables_of(key[:2], req_ids), None)
         d = self._cached if self._cached is not None and self._holds(key) else None
         reused = d is not None  # nothing learnt and no request changed since a plain decision: it still holds
         if d is None:
