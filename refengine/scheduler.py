@@ -172,6 +172,7 @@ class Scheduler(StepCommit):
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
+        self._prepare_next = False  # (a failed step's plan may have left it set)
         admitted: list[Request] = []
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:

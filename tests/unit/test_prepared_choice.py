@@ -4,7 +4,8 @@ running; the next choice takes it when it is for the same requests, no choice ca
 and otherwise searches as before. Checked here: with nothing observed in between it equals a fresh choice;
 observations in between do not change it (it is one step stale by design); other requests, an intervening
 choice or a plain prepared decision are not taken; the engine prepares during its verify steps and stays
-lossless; in simulation it loses nothing beyond noise against the fresh choice.
+lossless, also when the preparation raises (counted as a policy error, logged); in simulation it loses nothing
+beyond noise against the fresh choice.
 
 Run: python -m pytest tests/unit/test_prepared_choice.py -q
 """
@@ -94,6 +95,25 @@ def test_the_engine_prepares_during_verify_steps_and_stays_lossless(trained_pair
     verify_steps = engine.scheduler.plan_counts["verify"]
     assert policy.prepared > 0 and policy.errors == 0, (policy.prepared, verify_steps, policy.errors)
     assert policy.summary()["prepared"] == policy.prepared
+
+
+def test_a_failing_preparation_is_counted_and_the_engine_goes_on(trained_pair, caplog):
+    prompts = [list(range(3 + i, 40 + 3 * i)) for i in range(4)]
+    plain = greedy(cpu_engine(trained_pair.target), prompts, 32)
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, speculation="adaptive")
+    policy = engine.scheduler.policy
+    assert policy is not None
+
+    def broken(req_ids, remaining):
+        raise ValueError("a bug in the preparation")
+
+    policy.prepare = broken  # type: ignore[method-assign]
+    got = engine.generate(prompts, [SamplingParams(max_tokens=32, ignore_eos=True)] * 4)
+    for i, (r, want) in enumerate(zip(got, plain)):
+        assert_same_tokens(r.output_ids, want, f"request {i}")
+    verify_steps = engine.scheduler.plan_counts["verify"]
+    assert verify_steps and policy.errors == verify_steps and policy.prepared == 0, (verify_steps, policy.errors)
+    assert "preparation failed (ValueError: a bug in the preparation)" in caplog.text
 
 
 @pytest.mark.parametrize(("p_accept", "concurrency"), [(0.25, 8), (0.6, 32), (0.85, 1), (0.85, 32)])
