@@ -45,7 +45,7 @@ from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.dormancy import Dormancy
 from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
-from refengine.spec_decode.prepared_choice import PreparedChoice
+from refengine.spec_decode.prepared_choice import PREPARED_MARGIN, PreparedChoice
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.shadow_probe import ShadowChoice
@@ -88,6 +88,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     explored: int = 0
     searched: int = 0  # decisions that ran the span search (the rest: the bound showed plain wins, or reused)
     prepared: int = 0  # decisions that took the search prepare() did while the step before ran
+    prepared_margin: float = PREPARED_MARGIN  # the least predicted gain a prepared search is taken at
     caps: Counter = field(default_factory=Counter)  # winning S per decision (1 = plain)
     last: Decision | None = None
     _explored_kind: bool | None = None  # at the last exploration, was speculating the choice?
