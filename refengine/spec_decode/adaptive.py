@@ -79,7 +79,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     probed: list[int] = field(default_factory=list)  # the last choice's probes: indices widened past its spans
     in_flight: set[int] = field(default_factory=set)  # requests whose shadow probe awaits its answer
     shadows: int = 0  # probes drafted as shadows (refengine/spec_decode/shadow_probe.py)
-    errors: int = 0  # choices that raised; the scheduler decoded those steps plainly (Scheduler.schedule)
+    errors: int = 0  # choices that raised (those steps decoded plainly) and preparations that raised (Scheduler)
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     dormancy: Dormancy = field(default_factory=Dormancy)  # new requests admitted retired (dormancy.py)

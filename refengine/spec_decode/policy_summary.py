@@ -21,7 +21,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
     v, d, p = ([t * 1e-3 for t in m.theta] for m in (policy.cost.verify, policy.cost.draft, policy.cost.plain))
     return {
         "decisions": policy.steps - policy._decisions_before,
-        "errors": policy.errors,  # choices that raised (a bug: the steps decoded plainly; the bench fails on any)
+        "errors": policy.errors,  # choices or preparations that raised (a bug; the bench fails on any)
         "explored": policy.explored,
         "searched": policy.searched,
         "prepared": policy.prepared,  # choices that took the search prepared while the step before ran
