@@ -74,7 +74,7 @@ class Scheduler(StepCommit):
         # EngineConfig.shadow_probes (beside the decode graph on CUDA: runner/shadow_drafts.py)
         self.shadow_probes = False
         self.shadows = ShadowProbes()
-        self._prepare_next = False  # a speculating step was planned: while it runs, prepare the next choice
+        self._prepare_for: list[Request] | None = None  # a verify plan's requests: their next choice, prepared
 
     def bind_timings(
         self,
@@ -172,7 +172,7 @@ class Scheduler(StepCommit):
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
-        self._prepare_next = False  # (a failed step's plan may have left it set)
+        self._prepare_for = None  # (a failed step's plan may have left it set)
         admitted: list[Request] = []
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
@@ -248,7 +248,7 @@ class Scheduler(StepCommit):
                 return self._decode(spec, capture=True, uncaptured=uncaptured)
             res = self.pool.schedule_speculative({r.request_id: s for r, s in zip(spec, spans)})
             self.plan_counts["verify"] += 1
-            self._prepare_next = self.policy is not None  # while it runs (while_waiting)
+            self._prepare_for = spec if self.policy is not None else None  # while it runs (while_waiting)
             return VerifyPlan(spec, spans, res, uncaptured)
         if plain:
             self._verify_turn = True
@@ -263,11 +263,10 @@ class Scheduler(StepCommit):
         policy), it is logged and counted as a failed choice, and the next choice is made as usual."""
         if self.costs is not None:
             self.costs.feed()
-        if not self._prepare_next:
+        spec, self._prepare_for = self._prepare_for, None
+        if spec is None:
             return
-        self._prepare_next = False
         assert self.policy is not None
-        spec = [r for r in self.running if self.eligible(r)]
         try:
             self.policy.prepare([r.request_id for r in spec], [r.remaining - 1 for r in spec])
         except Exception as e:

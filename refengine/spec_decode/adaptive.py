@@ -45,7 +45,7 @@ from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.dormancy import Dormancy
 from refengine.spec_decode.exploration import MIN_EXPLORE, REPROBE_EVERY
 from refengine.spec_decode.policy_summary import policy_summary
-from refengine.spec_decode.prepared_choice import PREPARED_MARGIN, PreparedChoice
+from refengine.spec_decode.prepared_choice import PREPARED_MARGIN, Prepared, PreparedChoice
 from refengine.spec_decode.probe_sample import ProbeSample
 from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.shadow_probe import ShadowChoice
@@ -102,7 +102,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
-    _prepared: tuple | None = None  # prepare()'s (decisions then, (version, request ids), tables, Decision)
+    _prepared: Prepared | None = None  # prepare()'s search, for the next choice (prepared_choice.py)
     _settled: bool = False  # the cached plain decision was returned as it is (see choose's fast path)
     _reused: bool = False  # the last choose took that fast path
 

@@ -25,11 +25,20 @@ yet. In simulation, which has no host time, the stale estimates alone cost nothi
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, choose_spans, executed_rows
 from refengine.spec_decode.step_costs import CostModel
 
 PREPARED_MARGIN = 1.1  # a prepared search is taken only where it predicts speculation this much faster than plain
+
+
+class Prepared(NamedTuple):
+    at: int  # the policy's decisions when it was prepared (taken only by the next one)
+    key: tuple  # (version, request ids) of its tables
+    tables: list[Table]
+    decision: Decision
 
 
 class PreparedChoice:
@@ -44,7 +53,7 @@ class PreparedChoice:
     _version: int
     _executed: dict[int, tuple[int, ...]]
     _tables: tuple[tuple, list[Table]] | None
-    _prepared: tuple | None
+    _prepared: Prepared | None
 
     @property
     def retired(self) -> set[int]:
@@ -60,7 +69,7 @@ class PreparedChoice:
         if req_ids and max(remaining) > 1:
             key = (self._version, tuple(req_ids))
             tables = self._tables_of(key, req_ids)
-            self._prepared = (self.steps, key, tables, self._span_search(req_ids, remaining, tables))
+            self._prepared = Prepared(self.steps, key, tables, self._span_search(req_ids, remaining, tables))
 
     def drop_prepared(self) -> None:
         self._prepared = None
@@ -69,13 +78,14 @@ class PreparedChoice:
         """The prepared (tables, decision) if this choice may take it (see the module docstring); either way
         it is used up."""
         ready, self._prepared = self._prepared, None
-        if ready is None or ready[0] != self.steps or ready[1][1] != req_ids or ready[3].cap == 1:
+        if ready is None or ready.at != self.steps or ready.key[1] != req_ids:
             return None
-        if ready[3].predicted_tok_per_s < self.prepared_margin * ready[3].plain_tok_per_s:
+        d = ready.decision
+        if d.cap == 1 or d.predicted_tok_per_s < self.prepared_margin * d.plain_tok_per_s:
             return None
-        self._tables = (ready[1], ready[2])  # (the exploration's and the retirement's tables too)
+        self._tables = (ready.key, ready.tables)  # (the exploration's and the retirement's tables too)
         self.prepared += 1
-        return ready[2], ready[3]
+        return ready.tables, d
 
     def _tables_of(self, key: tuple, req_ids: list[int]) -> list[Table]:
         """E tables of the requests, a pure function of the observations (the version) and the requests:

@@ -157,26 +157,27 @@ class CostModel:
         timed is priced as the full one (the fit knows only those)."""
         if not m:
             return 0.0
-        t = self.tables["draft"].get(self.draft_key(m, widest))
-        if t is None and widest:
-            t = self.tables["draft"].get(self.draft_bucket(m))
+        t = self._draft_table_s(self.draft_bucket(m), self.draft_cap(widest) if widest else None)
         return t if t is not None else max(self.draft.predict([1.0, m]), 0.0) * 1e-3
 
     def draft_costs(self, n: int, widest: int = 0) -> list[float]:
         """[D(0), D(1), ..., D(n)]: draft_s(m, widest) over a batch's drafting counts in one pass (the span
         search prices every count each speculating step; 33 draft_s calls were ~0.1 ms of a c32 step on a
         2-core CPU)."""
-        table, bucket = self.tables["draft"], self.draft_bucket
-        cap = self.draft_cap(widest) if widest else None
+        bucket, cap = self.draft_bucket, self.draft_cap(widest) if widest else None
         d0, d1 = self.draft.theta
         out = [0.0]
         for m in range(1, n + 1):
-            b = bucket(m)
-            t = table.get(b if cap is None else (b, cap))
-            if t is None and cap is not None:
-                t = table.get(b)
+            t = self._draft_table_s(bucket(m), cap)
             out.append(t if t is not None else max(d0 + d1 * m, 0.0) * 1e-3)
         return out
+
+    def _draft_table_s(self, bucket: int, cap: int | None) -> float | None:
+        """The draft table's time of a bucket at a score cap (None: the full block's); a narrower cap never
+        timed falls back to the full block's shape. None when neither was measured (the fit prices it)."""
+        table = self.tables["draft"]
+        t = table.get(bucket if cap is None else (bucket, cap))
+        return table.get(bucket) if t is None and cap is not None else t
 
     def host_s(self, kind: str, n: int) -> float:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind

@@ -17,6 +17,7 @@ import pytest
 
 from refengine.config import EngineConfig
 from refengine.errors import UnsupportedConfigError
+from refengine.runner.graph_setup import draft_score_caps
 from refengine.runner.shapes import batch_buckets, row_caps
 from refengine.spec_decode.acceptance_estimate import (
     SHORT_PROBE_EVIDENCE,
@@ -317,8 +318,10 @@ def _simulate_phases(
     if policies is not None:
         policies.append(pol)
 
+    score_caps = draft_score_caps(B)  # (4, 8, B)
+
     def score_cap(widest: int) -> int | None:  # the runner's draft_score_cap
-        cap = next(c for c in (4, 8, B) if c >= widest)
+        cap = next(c for c in score_caps if c >= widest)
         return None if cap == B else cap
 
     def true_draft(m: int, widest: int) -> float:
@@ -332,7 +335,7 @@ def _simulate_phases(
             pol.cost.seed("plain", b, true.plain_s(b))
             pol.cost.seed("draft", b, true.draft_s(b))
             if draft_row_s:
-                for cap in (4, 8):
+                for cap in score_caps[:-1]:
                     pol.cost.seed("draft", (b, cap), true_draft(b, cap))
             for c in row_caps(B):
                 pol.cost.seed("verify", (b, b * c), true.verify_s(b, b * c))

@@ -125,9 +125,12 @@ def test_a_marginal_prepared_choice_is_not_taken():
     ids, rem = [0, 1, 2, 3], [100] * 4
     pol = _speculating_policy(ids, accepted=12)
     pol.prepare(ids, rem)
-    d = pol._prepared[3]
+    ready = pol._prepared
+    assert ready is not None
+    d = ready.decision
     assert d.predicted_tok_per_s >= PREPARED_MARGIN * d.plain_tok_per_s, d  # taken as it is
-    pol._prepared = (*pol._prepared[:3], replace(d, predicted_tok_per_s=0.99 * PREPARED_MARGIN * d.plain_tok_per_s))
+    marginal = replace(d, predicted_tok_per_s=0.99 * PREPARED_MARGIN * d.plain_tok_per_s)
+    pol._prepared = ready._replace(decision=marginal)
     pol.choose(ids, rem)
     assert pol.prepared == 0
 
