@@ -59,6 +59,11 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             "per_request": round(d[1] * 1e3, 5),
             "fits": policy.cost.draft.updates,
         },
+        "draft_over_replay_ms_model": {  # X(bucket): a real draft's time beyond its shape's replay (step_costs.py)
+            "per_step": round(policy.cost.draft_extra.theta[0], 4),
+            "per_request": round(policy.cost.draft_extra.theta[1], 5),
+            "fits": policy.cost.draft_extra.updates,
+        },
         "plain_ms_model": {
             "per_step": round(p[0] * 1e3, 4),
             "per_request": round(p[1] * 1e3, 5),

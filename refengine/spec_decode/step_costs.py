@@ -6,7 +6,10 @@ with a prior.
 - V(N, R) = v0 + v1*N + v2*R: a verify of N requests computing R rows (on the GPU: its graph shape's rows);
 - D(M) = d0 + d1*M: a draft for M requests (0 when M = 0). Its table is also keyed by the draft graph's score
   cap, the LM head's rows a block (runner/graphs.py): `draft_s(m, widest)` for a step whose largest span is
-  `widest` (0: the full block's shape, the fit's samples);
+  `widest` (0: the full block's shape, the fit's samples). With graphs, a shape's time is its start-up replay
+  plus X(M) = x0 + x1*bucket(M), what a real draft adds to a replay (the host's block layout, attention
+  planning and context loading, while the device waits: ~0.3 ms + ~24 us a request on the H200, runs
+  125-127), fitted over every draft sample of every shape (_observe_draft);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
 - H_verify(N), H_plain(N) = h0 + h1*N: the host's own time a step of that kind takes, outside the runner's
   synchronised work (the scheduler's choice, the commit's per-request bookkeeping): 0 until observed. On the
@@ -35,6 +38,7 @@ FORGET = 0.98  # per sample: old samples fade over ~50 updates of a curve
 # the intercept is free to move and the slopes move slowly unless the data insist.
 VAR_STEP, VAR_REQUEST, VAR_ROW = 100.0, 1.0, 0.01
 VAR_CATCH_UP_ROW = 1e-4  # a catch-up row: prior 2 us, sd 10 us (a row is a gather and a few GEMM rows)
+VAR_EXTRA, VAR_EXTRA_REQUEST = 1.0, 0.01  # a real draft over its replay (ms^2): ~0.3-1.1 ms, ~0.02 ms a request
 VAR_HOST, VAR_HOST_REQUEST = 1.0, 0.01  # a step's host time (ms^2): ~0.05-1 ms, ~0.02 ms a request
 HOST_KINDS = ("verify", "plain")  # a speculating step's host time, and a plain (all spans 1) step's
 
@@ -96,6 +100,11 @@ def _same(n: int) -> int:
     return n
 
 
+def _bucket_of(draft_key) -> int:
+    """The batch bucket of a draft table key: a bucket (the full block's shape) or (bucket, score cap)."""
+    return draft_key[0] if isinstance(draft_key, tuple) else draft_key
+
+
 def _one_shape(widest: int) -> int | None:
     """No score caps (an eager drafter): every draft scores the full block."""
     return None
@@ -117,6 +126,9 @@ class CostModel:
     draft_bucket: Callable[[int], int] = _same
     draft_cap: Callable[[int], int | None] = _one_shape  # largest span -> the draft's score cap (None: full)
     tables: dict[str, dict] = field(default_factory=lambda: {"verify": {}, "draft": {}, "plain": {}})
+    # X(M): what a real draft of the bucket of M requests takes beyond its shape's replay (ms), over every shape
+    draft_extra: _Fit = field(default_factory=lambda: _Fit([0.0, 0.0], [VAR_EXTRA, VAR_EXTRA_REQUEST]))
+    draft_replays: dict = field(default_factory=dict)  # draft table key -> its start-up replay (s)
     host: dict[str, _Fit] = field(
         default_factory=lambda: {k: _Fit([0.0, 0.0], [VAR_HOST, VAR_HOST_REQUEST]) for k in HOST_KINDS}
     )
@@ -229,16 +241,42 @@ class CostModel:
             key = self.draft_key(drafted, widest)
             if not isinstance(key, tuple):
                 self.draft.update([1.0, drafted], draft_s * 1e3)
-            self._average("draft", key, draft_s)
+            self._observe_draft(key, draft_s)
 
     def seed(self, kind: str, key, seconds: float) -> None:
         """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket, or
         (bucket, score cap) for a narrower score cap than the block's: only the table learns those)."""
         self.tables[kind][key] = max(seconds, MIN_STEP_S)
-        if kind == "draft" and isinstance(key, tuple):
-            return
+        if kind == "draft":
+            self.draft_replays[key] = seconds
+            self.tables["draft"][key] = self._replay_plus_extra(key)
+            if isinstance(key, tuple):
+                return
         x = [1.0, key[0], key[1]] if kind == "verify" else [1.0, key]
         getattr(self, kind).update(x, seconds * 1e3)
+
+    def _observe_draft(self, key, seconds: float) -> None:
+        """A draft sample: a shape timed at start-up teaches X (every such shape's time is then its replay plus
+        X of its bucket); another one (eager, no graph) is averaged into its own table entry. Why pooled: each
+        shape averaged alone, a few slow steps (a sample counts up to SPIKE x) priced bucket 32's cap 4 above
+        its cap 8; the policy then drafted spans of 5 or decoded plainly, nothing measured cap 4 again, and
+        sharegpt c32 waves ran 0.927 of plain against 1.05-1.07 on paths where that had not happened (H200,
+        run 127). The real-minus-replay times of 21 shapes lay on one line (run 126, docs/PERF.md)."""
+        replay = self.draft_replays.get(key)
+        if replay is None:
+            self._average("draft", key, seconds)
+            return
+        fit = self.draft_extra
+        theta = fit.theta
+        fit.update([1.0, _bucket_of(key)], (seconds - replay) * 1e3)
+        if fit.theta is not theta:  # re-solved (every SOLVE_EVERY-th sample): re-price every timed shape
+            table = self.tables["draft"]
+            for k in self.draft_replays:
+                table[k] = self._replay_plus_extra(k)
+
+    def _replay_plus_extra(self, key) -> float:
+        x0, x1 = self.draft_extra.theta
+        return max(self.draft_replays[key] + (x0 + x1 * _bucket_of(key)) * 1e-3, MIN_STEP_S)
 
     def _average(self, kind: str, key, seconds: float) -> None:
         old, seconds = self.tables[kind].get(key), max(seconds, MIN_STEP_S)
