@@ -245,13 +245,15 @@ class CostModel:
 
     def seed(self, kind: str, key, seconds: float) -> None:
         """A timed replay of one shape: 'plain' (bucket), 'verify' ((bucket, rows)) or 'draft' (bucket, or
-        (bucket, score cap) for a narrower score cap than the block's: only the table learns those)."""
-        self.tables[kind][key] = max(seconds, MIN_STEP_S)
+        (bucket, score cap) for a narrower score cap than the block's: only the table learns those). A draft
+        shape's table time is then its replay plus X(bucket), as learnt so far (_observe_draft)."""
         if kind == "draft":
             self.draft_replays[key] = seconds
             self.tables["draft"][key] = self._replay_plus_extra(key)
             if isinstance(key, tuple):
                 return
+        else:
+            self.tables[kind][key] = max(seconds, MIN_STEP_S)
         x = [1.0, key[0], key[1]] if kind == "verify" else [1.0, key]
         getattr(self, kind).update(x, seconds * 1e3)
 
