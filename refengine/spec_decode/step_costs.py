@@ -8,8 +8,8 @@ with a prior.
   cap, the LM head's rows a block (runner/graphs.py): `draft_s(m, widest)` for a step whose largest span is
   `widest` (0: the full block's shape, the fit's samples). With graphs, a shape's time is its start-up replay
   plus X(M) = x0 + x1*bucket(M), what a real draft adds to a replay (the host's block layout, attention
-  planning and context loading, while the device waits: ~0.3 ms + ~24 us a request on the H200, runs
-  125-127), fitted over every draft sample of every shape (_observe_draft);
+  planning and context loading, while the device waits: ~0.3 ms + ~24 us a request on the H200, run 126),
+  fitted over every draft sample of every shape (_observe_draft);
 - P(N) = p0 + p1*N: a plain decode step of N requests (every span 1: no draft, the one-row decode graph);
 - H_verify(N), H_plain(N) = h0 + h1*N: the host's own time a step of that kind takes, outside the runner's
   synchronised work (the scheduler's choice, the commit's per-request bookkeeping): 0 until observed. On the
