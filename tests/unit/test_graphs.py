@@ -56,7 +56,8 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     """The draft graph's score caps (graph_setup.draft_score_caps): a draft whose largest span is S replays the
     shape that scores rows 1..cap-1 of each block, cap the least of 4, 8, 16 >= S; its drafts are the full
     shape's first ones; a bucket's caps share its buffers but for the scored rows; the adaptive policy's cost
-    table times each cap (a narrower one keyed (bucket, cap)) and prices a draft by its largest span."""
+    table times each cap (a narrower one keyed (bucket, cap)) and prices a draft by its largest span; the
+    bucket's drafts write their context rows into one host buffer, kept."""
     engine = cpu_engine(
         trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive"
     )
@@ -83,10 +84,13 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     wide = lane.launch(items(B))
     assert wide is not None and wide.width == B - 1
     got_wide = wide.read()
+    host = lane._context_host[4 * B][0]  # the bucket's context rows on the host (LaneDraft._load_context)
     narrow = lane.launch(items(4))
     assert narrow is not None and narrow.width == 3
     got = narrow.read()
     assert got == [d[:3] for d in got_wide], f"score cap 4 drafts {got} against the full shape's {got_wide}"
+    held = {rows: h for rows, (h, _) in lane._context_host.items()}
+    assert list(held) == [4 * B] and held[4 * B] is host, f"context rows staged anew: {sorted(held)}"
 
 
 def test_a_plans_page_entries_fit_the_graph_wrappers_buffers(trained_pair, monkeypatch):
