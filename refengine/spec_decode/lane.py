@@ -43,8 +43,8 @@ class DFlashLane(LaneDraft):
         self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (CPU: host-timed)
         self._catch_up_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: their events
         # the draft graph's context rows on the host, by row count: [3, rows] (positions, slots, sources), pinned
-        # on CUDA and rewritten in place, with the event after their last copy (LaneDraft._load_context)
-        self._context_host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # on CUDA and rewritten in place (LaneDraft._load_context)
+        self._context_host: dict[int, torch.Tensor] = {}
 
     @classmethod
     def create(

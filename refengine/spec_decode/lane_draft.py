@@ -44,7 +44,7 @@ class LaneDraft:
     _sync_wait_s: float
     _catch_up_s: float
     _catch_up_events: list[tuple[torch.cuda.Event, torch.cuda.Event]]
-    _context_host: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]]
+    _context_host: dict[int, torch.Tensor]
 
     def _features(self) -> FeatureStore:
         raise NotImplementedError
@@ -178,10 +178,11 @@ class LaneDraft:
     def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[int]) -> None:
         """Request i's n pending rows go to context rows [i*B, i*B + n) of the graph: the graph gathers their
         features from the store (`sources`: target KV slots) and writes their K/V at `slots`; the other rows
-        write the dummy page. The rows are written into a host buffer kept per row count (pinned on CUDA) and
-        copied from there: a new pinned tensor from nested lists cost ~0.3 ms of a c32 step's host time
-        before its draft graph could start, while the device waited (H200, run 128; writing in place ~0.04 ms
-        on the dev CPU)."""
+        write the dummy page. The rows are written into a host buffer kept per row count and copied from there:
+        a new tensor from nested lists cost ~0.3 ms of a c32 step's host time before its draft graph could
+        start, while the device waited (H200, run 128; written in place ~0.04 ms on the dev CPU). Pinned on
+        CUDA (a pageable copy could wait for the catch-up queued before it) and, like StepGraph.staging, safe to
+        rewrite every draft: each step ends by reading its results back (a sync)."""
         ctx, b = graph.buffers.context, self.block_size
         assert ctx is not None
         store = self._features()
@@ -195,28 +196,14 @@ class LaneDraft:
                 pos[i * b : i * b + n] = range(first, it.start)
                 slots[i * b : i * b + n] = self.pool.slot_list(it.req_id, first, it.start)
                 sources[i * b : i * b + n] = store.pool.slot_list(it.req_id, first, it.start)
-        host = self._context_staging(rows, ctx.positions.is_cuda)
+        host = self._context_host.get(rows)
+        if host is None:
+            host = torch.zeros((3, rows), dtype=torch.int64, pin_memory=ctx.positions.is_cuda)
+            self._context_host[rows] = host
         view = host.numpy()
         view[0], view[1], view[2] = pos, slots, sources
         for buf, row in zip((ctx.positions, ctx.slots, ctx.sources), host):
             buf.copy_(row, non_blocking=True)
-        if ctx.positions.is_cuda:
-            done = torch.cuda.Event()
-            done.record()
-            self._context_host[rows] = (host, done)
-
-    def _context_staging(self, rows: int, cuda: bool) -> torch.Tensor:
-        """The host buffer of `rows` context rows, free to rewrite: its last copies to the device are done (each
-        step reads its results back, so they are; the wait guards a step that failed before that)."""
-        held = self._context_host.get(rows)
-        if held is None:
-            host = torch.zeros((3, rows), dtype=torch.int64, pin_memory=cuda)
-            self._context_host[rows] = (host, None)
-            return host
-        host, done = held
-        if done is not None:
-            done.synchronize()
-        return host
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:

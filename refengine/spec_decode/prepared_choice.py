@@ -18,9 +18,9 @@ against 0.946 / 0.931 / 0.950 choosing fresh (with the margin: 0.946 / 0.942 / 0
 
 Measured on the H200 in one process, paired round by round against the same engine choosing after the commit
 (run 121, sharegpt waves, before the margin; the last decisions of run 122's c16 / c32 rows predicted 1.13 /
-1.25 x plain, over the margin): 1.044 at c32, 1.064 at c16, 1.024 at c1. The margin is not measured there
-yet. In simulation, which has no host time, the stale estimates alone cost nothing beyond noise elsewhere
-(tests/unit/test_prepared_choice.py).
+1.25 x plain, over the margin): 1.044 at c32, 1.064 at c16, 1.024 at c1. With the margin against without it
+(run 125, the same way): 1.032 at c32, 1.001 at c16 and c1. In simulation, which has no host time, the stale
+estimates alone cost nothing beyond noise elsewhere (tests/unit/test_prepared_choice.py).
 """
 
 from __future__ import annotations

@@ -61,17 +61,19 @@ class _Fit:
     def predict(self, x: list[float]) -> float:
         return sum(t * v for t, v in zip(self.theta, x))
 
-    def update(self, x: list[float], y: float) -> None:
+    def update(self, x: list[float], y: float) -> bool:
+        """Add a sample; True when theta was re-solved (every sample at first, then every SOLVE_EVERY-th)."""
         f = FORGET
         self.sxy = [f * s + xi * y for s, xi in zip(self.sxy, x)]
         self.sxx = [[f * s + xi * xj for s, xj in zip(row, x)] for row, xi in zip(self.sxx, x)]
         self.updates += 1
         if self.updates > SOLVE_EVERY and self.updates % SOLVE_EVERY:
-            return  # the sums are current; re-solving every few samples is plenty (and saves host time)
+            return False  # the sums are current; re-solving every few samples is plenty (and saves host time)
         n = len(x)
         a = [[self.sxx[i][j] + (self.precision0[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
         b = [self.sxy[i] + self.precision0[i] * self.theta0[i] for i in range(n)]
         self.theta = _solve(a, b)
+        return True
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -268,10 +270,7 @@ class CostModel:
         if replay is None:
             self._average("draft", key, seconds)
             return
-        fit = self.draft_extra
-        theta = fit.theta
-        fit.update([1.0, _bucket_of(key)], (seconds - replay) * 1e3)
-        if fit.theta is not theta:  # re-solved (every SOLVE_EVERY-th sample): re-price every timed shape
+        if self.draft_extra.update([1.0, _bucket_of(key)], (seconds - replay) * 1e3):  # re-solved: re-price
             table = self.tables["draft"]
             for k in self.draft_replays:
                 table[k] = self._replay_plus_extra(k)

@@ -84,12 +84,12 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     wide = lane.launch(items(B))
     assert wide is not None and wide.width == B - 1
     got_wide = wide.read()
-    host = lane._context_host[4 * B][0]  # the bucket's context rows on the host (LaneDraft._load_context)
+    host = lane._context_host[4 * B]  # the bucket's context rows on the host (LaneDraft._load_context)
     narrow = lane.launch(items(4))
     assert narrow is not None and narrow.width == 3
     got = narrow.read()
     assert got == [d[:3] for d in got_wide], f"score cap 4 drafts {got} against the full shape's {got_wide}"
-    held = {rows: h for rows, (h, _) in lane._context_host.items()}
+    held = lane._context_host
     assert list(held) == [4 * B] and held[4 * B] is host, f"context rows staged anew: {sorted(held)}"
 
 
