@@ -3,8 +3,8 @@ requests on the pool's dummy pages), planned on the host before every replay.
 
 - FlashInfer (CUDA): a `BatchPrefillWithPagedKVCacheWrapper` in CUDA-graph mode with persistent index
   buffers. plan() rewrites those buffers and the wrapper's work lists; the captured kernel reads them at run
-  time, so a graph captured at one KV length replays correctly at any other. Its first plan fixes the most
-  query rows it may ever see: the shape's full row count.
+  time, so a graph captured at one KV length replays correctly at any other. Its first plan (FlashInfer's own)
+  fixes the most query rows it may ever see: the shape's full row count; later plans are lean (lean_plan.py).
 - Torch (any device): the reference backend re-prepared each step (the CPU tests of the graph runner).
 """
 
@@ -15,6 +15,7 @@ from itertools import accumulate
 import torch
 
 from refengine.attention.base import AttnBatch
+from refengine.attention.lean_plan import PlanArrays, lean_plan, lean_plan_supported
 from refengine.attention.torch_backend import TorchPagedAttention
 from refengine.kv.pool import KvPool
 
@@ -49,6 +50,7 @@ class TorchGraphAttention:
 class FlashInferGraphAttention:
     _workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
+    use_lean_plan = True  # after the first plan, where lean_plan_supported (tests switch it off to compare)
 
     def __init__(
         self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: str = "target"
@@ -83,7 +85,7 @@ class FlashInferGraphAttention:
             paged_kv_last_page_len_buf=self._last,
             backend="fa2",
         )
-        self._planned = False
+        self._planned = self._lean = False
 
     def plan(self, batch: AttnBatch) -> None:
         """Every host array goes through pinned memory, written in place (512 ints: 17 us, against 43 us for
@@ -104,8 +106,13 @@ class FlashInferGraphAttention:
         self._host_indices.numpy()[:k] = indices
         staged = self._indices_staging[:k]
         staged.copy_(self._host_indices[:k], non_blocking=True)
-        dtype = self.pool.k[0].dtype
         h = self._host
+        if self._lean:
+            maxima = dict(total_rows=sum(batch.q_lens), max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens))
+            arrays = PlanArrays(h[0, : b + 1], h[1, : b + 1], h[2, :b], h[3, :b], staged, **maxima)
+            lean_plan(self._wrapper, arrays, self.heads, page, batch.causal)
+            return
+        dtype = self.pool.k[0].dtype
         self._wrapper.plan(
             h[0, : b + 1],
             h[1, : b + 1],
@@ -118,6 +125,7 @@ class FlashInferGraphAttention:
             kv_data_type=dtype,
             seq_lens=h[3, :b],  # else FlashInfer derives them into a pageable tensor
         )
+        self._lean = self.use_lean_plan and lean_plan_supported(self._wrapper)
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         self._wrapper.run(q, (self.pool.k[layer], self.pool.v[layer]), out=out)
