@@ -61,6 +61,8 @@ def _pair(pool: KvPool, bucket: int, causal: bool):
     for lean in (True, False):
         att = FlashInferGraphAttention(pool, bucket, HEADS, KV_HEADS, DIM)
         att.use_lean_plan = lean
+        att._wrapper._int_workspace_buffer.zero_()  # allocated uninitialised: the bytes no plan writes must match
+        att._wrapper._pin_memory_int_workspace_buffer.zero_()
         rows = [SPAN] * bucket
         att.plan(AttnBatch(rows, rows, [[BLOCKS]] * bucket, torch.empty(0), torch.empty(0), causal=causal))
         pair.append(att)
