@@ -15,6 +15,7 @@ import random
 import pytest
 
 from refengine import SamplingParams
+from refengine.plan import DecodePlan
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.golden.test_lossless import BUDGETS, B, _check_clean, _ignore_eos, _prompts
 from tests.proposers import garbage, oracle
@@ -238,7 +239,8 @@ def test_lossless_adaptive_dormant_admission(model_pair, graph_mode, monkeypatch
     admits new requests retired: their prefill captures nothing, they never hold a drafter context and decode
     on plain decode's own step, except the probes the admitted work pays for (DORMANT_SHARE raised here so a
     few requests pay for one), which draft beside them. The bench's tau1.0 profile makes every verify accept
-    nothing, so every output must equal plain decoding, and every request's stats count each decode step."""
+    nothing, so every output must equal plain decoding, and every request's stats count each decode step. A batch
+    of retired requests only is planned again without a look at each while it holds (Scheduler._retired_batch)."""
     from refengine.spec_decode import dormancy
 
     monkeypatch.setattr(dormancy, "DORMANT_SHARE", 0.02)
@@ -257,10 +259,15 @@ def test_lossless_adaptive_dormant_admission(model_pair, graph_mode, monkeypatch
 
     policy.admit = recorded  # type: ignore[method-assign]
     reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    unlooked = 0  # steps planned from a held all-retired batch (Scheduler._retired_batch), without a look
     while engine.has_work():
+        held_batch = engine.scheduler._retired_batch
         engine.step()
+        same = held_batch is not None and engine.scheduler._retired_batch is held_batch
+        unlooked += same and isinstance(engine.last_plan, DecodePlan)
         held = engine.scheduler.active_proposer.live_requests() & set(retired_at_admission)
         assert not held, f"requests {sorted(held)}, admitted retired, hold a drafter context"
+    assert unlooked > 0, "no all-retired batch was planned again without a look at each request"
     for i, (r, ref) in enumerate(zip(reqs, plain)):
         assert_same_tokens(r.output_ids, ref, f"{model_pair.name} dormant request {i} (max_tokens {budgets[i]})")
     summary = policy.summary()["dormant"]
