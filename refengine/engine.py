@@ -6,67 +6,29 @@ import gc
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from refengine.attention import make_backend
-from refengine.config import (
-    DFlashConfig,
-    EngineConfig,
-    ModelConfig,
-    max_context_tokens,
-    read_config_json,
-    read_stop_ids,
-)
-from refengine.errors import InvalidRequestError, StepError, TensorParallelError, UnsupportedConfigError
+from refengine.config import DFlashConfig, EngineConfig, max_context_tokens, read_config_json, read_stop_ids
+from refengine.engine_parts import build_graphs, check_shared_target, default_num_blocks
+from refengine.errors import InvalidRequestError, TensorParallelError, UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.planner import KvBudgetPlan
-from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.parallel import TensorParallelGroup, shard_target
 from refengine.plan import Plan, PrefillPlan, validate_result
-from refengine.request import FinishReason, Request, SamplingParams, SpecStats
-from refengine.runner.capture import Capturer
-from refengine.runner.catch_up_graphs import CatchUpGraphs
-from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
-from refengine.runner.graphs import GraphRunner
-from refengine.runner.logits import TopK
+from refengine.request import Request, SamplingParams, SpecStats
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
+from refengine.scoring import ScoredSequence, score_sequences
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.lane import DFlashLane
 from refengine.spec_decode.proposer import Proposer
-from refengine.validation import validate_token_ids
 
 log = logging.getLogger("refengine")
-CPU_KV_BYTES = 256 * 1024 * 1024  # default KV pool on the CPU
-
-
-@dataclass(frozen=True)
-class ScoredSequence:
-    """Teacher-forced scores of prompt + continuation: topk[p] is the top-k after token_ids[:p+1]."""
-
-    token_ids: list[int]
-    topk: list[TopK]
-
-
-def _check_shared_target(target: Qwen3Model, config: EngineConfig, dtype: torch.dtype) -> None:
-    """A target handed to Engine must be what config would load: same geometry, device and dtype, unsharded."""
-    want = ModelConfig.from_hf(read_config_json(config.target_path))
-    got_device, got_dtype = target.embed_tokens.device, target.embed_tokens.dtype
-    device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None:  # "cuda" names the current device: cuda:0 by default
-        device = torch.device("cuda", torch.cuda.current_device())
-    if config.tensor_parallel_size > 1 or target.tp_size > 1:
-        raise UnsupportedConfigError("a shared target cannot be tensor-parallel (each engine shards its own)")
-    if target.cfg != want or got_dtype != dtype or got_device != device:
-        raise UnsupportedConfigError(
-            f"the shared target ({got_device}, {got_dtype}, {target.cfg}) is not the model config loads "
-            f"({config.device}, {dtype}, {want})"
-        )
 
 
 class Engine:
@@ -96,7 +58,7 @@ class Engine:
                 config.target_path, dtype=dtype, device=config.device, synthetic=config.synthetic_weights
             )
         else:
-            _check_shared_target(target, config, dtype)
+            check_shared_target(target, config, dtype)
         self.target = target
         if config.tensor_parallel_size > 1:
             # rank 0's shard; from here on target.cfg is the per-rank geometry (heads, KV heads, MLP width), so
@@ -110,7 +72,9 @@ class Engine:
         spec_cfg = draft_cfg if config.speculative else None
         self.max_context = max_context_tokens(tcfg, spec_cfg, config.max_model_len)
         self.kv_plan: KvBudgetPlan | None = None
-        num_blocks = config.num_blocks or self._default_num_blocks(dtype, spec_cfg)
+        num_blocks = config.num_blocks
+        if not num_blocks:
+            num_blocks, self.kv_plan = default_num_blocks(self.target, config, dtype, spec_cfg, self.max_context)
         self.drafter = (
             DFlashDrafter.load(config.draft_path, self.target, synthetic=config.synthetic_weights)
             if config.draft_path
@@ -158,8 +122,9 @@ class Engine:
             speculation=config.speculation,
             acceptance_override=acceptance_override,
         )
+        graphs = build_graphs(config, self.target, self.pool, self.proposer, self.store)
         self.runner = ModelRunner(
-            self.target, self.pool, attention, self.proposer, self._graphs(), tp=self.tp, store=self.store
+            self.target, self.pool, attention, self.proposer, graphs, tp=self.tp, store=self.store
         )
         self.scheduler.bind_timings(
             self.runner.timings,
@@ -174,44 +139,6 @@ class Engine:
         self._ids = itertools.count()
         self.finished: list[Request] = []
         self.last_plan: Plan | None = None  # the plan the last step ran (None: it had no work)
-
-    def _default_num_blocks(self, dtype: torch.dtype, draft_cfg: DFlashConfig | None) -> int:
-        """Planned from device memory on CUDA (before the drafter loads: the reservation bills it), else
-        enough for max_num_seqs full-length requests within CPU_KV_BYTES."""
-        c = self.target.cfg
-        if self.target.device.type == "cuda":
-            from refengine.memory.profile import cap_torch_allocator, plan_device_pool
-
-            self.kv_plan = plan_device_pool(self.target, self.config, draft_cfg, self.max_context)
-            cap_torch_allocator(self.kv_plan, self.target.device)
-            return self.kv_plan.num_blocks
-        bytes_per_block = target_kv_bytes_per_block(c, self.config.page_size, dtype.itemsize)
-        wanted = self.config.max_num_seqs * blocks_for(self.max_context, self.config.page_size)
-        return max(1, min(wanted, CPU_KV_BYTES // bytes_per_block))
-
-    def _graphs(self) -> dict[str, GraphRunner]:
-        """The decode / verify graph runners (and the lane's draft graph) unless graph_mode is 'eager'."""
-        if self.config.graph_mode_name == "eager":
-            return {}
-        capturer = Capturer(self.target.device)
-        # with shadow probes, the drafter's graphs in a memory pool of their own: a shadow probe's draft replays
-        # beside the decode graph (runner/shadow_drafts.py), so their temporaries must not share addresses
-        lane_capturer = Capturer(self.target.device) if self.config.shadow_probes else capturer
-        taps = self.proposer.capture_layers if self.proposer is not None else ()
-        span = self.proposer.block_size if self.proposer is not None else None
-        store = self.store.rows if self.store is not None else None
-        if isinstance(self.proposer, DFlashLane):
-            self.proposer.graph = build_draft_graph(
-                self.proposer.drafter, self.proposer.pool, self.config, lane_capturer, store
-            )
-            if self.store is not None:
-                self.proposer.catch_up_graphs = CatchUpGraphs(
-                    self.proposer.graph.stack, lane_capturer, self.store.pool.dummy_slot
-                )
-        adaptive = self.config.speculation == "adaptive"  # its retired requests decode without taps
-        return build_target_graphs(
-            self.target, self.pool, self.config, capturer, taps, span, store, plain_decode=adaptive
-        )
 
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at
@@ -350,31 +277,8 @@ class Engine:
         return reqs
 
     def score(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int = 8) -> list[ScoredSequence]:
-        """Teacher forcing: for each (prompt, continuation), the top-k after every prefix of prompt +
-        continuation (one row per position, the last predicting past the sequence). The prompt runs as a
-        prefill, the continuation as decode steps: before each step the request's current token (whose KV is
-        not written yet) is replaced by the next continuation token. All sequences run together."""
-        runs = []
-        for prompt, continuation in sequences:
-            cont = validate_token_ids(continuation, self.target.cfg.vocab_size, "continuation_ids")
-            params = SamplingParams(max_tokens=len(cont) + 1, logprobs=k, prompt_logprobs=True, ignore_eos=True)
-            runs.append((self.add_request(prompt, params), cont))
-        for req, _ in runs:
-            if req.reject_reason is not None:
-                raise InvalidRequestError(f"scoring request rejected ({req.reject_reason.value}): {req.message}")
-        while any(not req.finished for req, _ in runs):
-            self.step()
-            failed = next((r for r, _ in runs if r.finish_reason in (FinishReason.ERROR, FinishReason.ABORTED)), None)
-            if failed is not None:
-                for req, _ in runs:
-                    self.abort(req.request_id, f"scoring aborted: request {failed.request_id} failed")
-                reason = failed.finish_reason.value if failed.finish_reason else "failed"
-                raise StepError(f"scoring request {failed.request_id} {reason}: {failed.message}")
-            for req, cont in runs:
-                n = len(req.output_ids)
-                if not req.finished and 0 < n <= len(cont):
-                    req.output_ids[-1] = cont[n - 1]  # force the token the next decode step feeds
-        return [ScoredSequence(list(req.prompt_ids) + cont, list(req.topk)) for req, cont in runs]
+        """Teacher forcing: the top-k after every prefix of each prompt + continuation (refengine/scoring.py)."""
+        return score_sequences(self, sequences, k)
 
     def spec_stats(self, requests: list[Request] | None = None) -> SpecStats:
         """The merged SpecStats of `requests` (default: every finished request)."""
