@@ -50,7 +50,7 @@ class TorchGraphAttention:
 class FlashInferGraphAttention:
     _workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
-    use_lean_plan = True  # after the first plan, where lean_plan_supported (tests switch it off to compare)
+    use_lean_plan = True  # lean plans after the first, where lean_plan_supported; re-read at every full plan
 
     def __init__(
         self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: str = "target"
