@@ -221,14 +221,14 @@ class Scheduler(StepCommit):
         plain = [r for r in self.running if not self.eligible(r)]
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
-            remaining = [r.remaining for r in spec]
             uncaptured: frozenset[int] = frozenset()
+            retired = self.policy.retired if self.policy is not None else set()
+            if retired and all(r.request_id in retired for r in spec):
+                if not plain:
+                    self._retired_batch = (self.running, len(self.running))
+                return self._decode(spec)  # every one retired from speculation: plain decode's own step
+            remaining = [r.remaining for r in spec]
             if self.policy is not None:
-                retired = self.policy.retired
-                if retired and all(r.request_id in retired for r in spec):
-                    if not plain:
-                        self._retired_batch = (self.running, len(self.running))
-                    return self._decode(spec)  # every one retired from speculation: plain decode's own step
                 spans = self._choose(spec, remaining)
                 newly = self.policy.take_retired()
                 if newly:

@@ -50,7 +50,7 @@ class TorchGraphAttention:
 class FlashInferGraphAttention:
     _workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
-    use_lean_plan = True  # lean plans after the first, where lean_plan_supported; re-read at every full plan
+    use_lean_plan = True  # lean plans after the first, where lean_plan_supported (read once, at the first plan)
 
     def __init__(
         self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: str = "target"
@@ -94,7 +94,7 @@ class FlashInferGraphAttention:
         plan wait for the draft graph queued before it (runner/draft_handoff.py)."""
         if self.skip_replan and self._planned:
             return
-        self._planned = True
+        first, self._planned = not self._planned, True
         page, b = self.pool.page_size, len(batch.q_lens)
         n_pages = [-(-kv // page) for kv in batch.kv_lens]
         indices = [p for t, n in zip(batch.block_tables, n_pages) for p in t[:n]]
@@ -108,8 +108,8 @@ class FlashInferGraphAttention:
         staged.copy_(self._host_indices[:k], non_blocking=True)
         h = self._host
         if self._lean:
-            maxima = dict(total_rows=sum(batch.q_lens), max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens))
-            arrays = PlanArrays(h[0, : b + 1], h[1, : b + 1], h[2, :b], h[3, :b], staged, **maxima)
+            rows, max_q, max_kv = sum(batch.q_lens), max(batch.q_lens), max(batch.kv_lens)
+            arrays = PlanArrays(h[0, : b + 1], h[1, : b + 1], h[2, :b], h[3, :b], staged, rows, max_q, max_kv)
             lean_plan(self._wrapper, arrays, self.heads, page, batch.causal)
             return
         dtype = self.pool.k[0].dtype
@@ -125,7 +125,8 @@ class FlashInferGraphAttention:
             kv_data_type=dtype,
             seq_lens=h[3, :b],  # else FlashInfer derives them into a pageable tensor
         )
-        self._lean = self.use_lean_plan and lean_plan_supported(self._wrapper)
+        if first:  # the plan that fixed the graph's most rows: lean from here on, where supported
+            self._lean = self.use_lean_plan and lean_plan_supported(self._wrapper)
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         self._wrapper.run(q, (self.pool.k[layer], self.pool.v[layer]), out=out)
