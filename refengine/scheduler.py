@@ -195,7 +195,9 @@ class Scheduler(StepCommit):
                 batch = len(self.running) + len(admitted)
                 for r in admitted:
                     rid = r.request_id
-                    if self.eligible(r) and self.policy.admit(rid, r.params.max_tokens, len(r.prompt_ids), batch):
+                    if self.eligible(r) and self.policy.admit(
+                        rid, r.params.max_tokens, len(r.prompt_ids), batch, len(admitted)
+                    ):
                         self.retired_at[rid] = 1  # its decode steps, from the one after its prefill's token
             plan = PrefillPlan(admitted, [self.speculates(r) for r in admitted])
             try:

@@ -22,6 +22,11 @@ with the H200's costs 0.5% at c1 and c32 against 1.0-1.1% without dormancy, test
 a turn is seen within the work that pays for one probe (at Qwen3-4B shapes on the H200 about 4 requests of
 128 tokens at c1, 3 waves at c32).
 
+Not where nothing is known to fail and a wave's probe step is cheap beside its work (Retirement._awake_is_cheap,
+DORMANT_PRICE): there a turn surprises only past the workload's odds, and dormant it was seen too late (in
+simulation 0.33-0.99 of the better mode after the turn, against 0.80-1.07 awake); the trained tiny pair's probe
+steps are dear beside its short plain steps, and it stays dormant as before.
+
 Only at a batch size where the regime holds, and in a plain regime on calm blocks of its own kind of batch
 (smaller than PROBE_SAMPLE, or not; where position 1 fails everywhere, calm blocks of any): the trained tiny
 pair speculates at c1 (fixed DFlash ~3x plain) and loses at c32, and a drafter whose first blocks are poor
@@ -39,6 +44,8 @@ from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 
 DORMANT_AFTER = 16  # first blocks in a row, judged in a retirement regime, none surprising, before dormancy
 DORMANT_SHARE = 0.001  # dormant: probes of new requests may cost this share of the admitted work's plain time
+DORMANT_PRICE = 0.007  # nothing known to fail: no dormancy where a probe step costs under this share of the wave's
+# plain time (Qwen3-4B shapes on the H200 ~0.4%, the trained tiny pair 1.3-2.3%: Retirement._awake_is_cheap)
 
 
 @dataclass

@@ -8,6 +8,8 @@ asks the policy to prepare (Scheduler.while_waiting): the tables and the search 
 still be running if none finishes, on what the policy knows then. The next choice takes that search when it is
 for the same requests, no choice came between, and it speculates; otherwise it searches as before. Its spans
 are thus chosen on the acceptance observed up to the step before the last, as its costs are (cost_samples.py).
+Only after a speculating decision (a step drafting only probes or an exploration runs on a plain one, and
+a search on what it knew is plain too: the trained tiny pair's c8 probe step ran two searches, H200 run 139).
 A prepared plain decision is not taken: held as the cached plain decision, a stale one would hold until an
 exploration (plain steps teach nothing), where a fresh search may speculate at once. Nor is one predicting
 less than PREPARED_MARGIN over plain: where speculation is marginal, the search speculates on estimates that
@@ -54,6 +56,7 @@ class PreparedChoice:
     _executed: dict[int, tuple[int, ...]]
     _tables: tuple[tuple, list[Table]] | None
     _prepared: Prepared | None
+    last: Decision | None
 
     @property
     def retired(self) -> set[int]:
@@ -64,9 +67,11 @@ class PreparedChoice:
 
     def prepare(self, req_ids: list[int], remaining: list[int]) -> None:
         """The next choice's tables and span search for these requests (`remaining`: their budgets after the
-        current step as known now, an upper bound), done now (see the module docstring)."""
+        current step as known now, an upper bound), done now (see the module docstring). Not after a plain
+        decision (a step that drafts only probes or an exploration): a search on what that decision knew is plain
+        too, and a prepared plain decision is not taken."""
         self._prepared = None
-        if req_ids and max(remaining) > 1:
+        if self.last is not None and self.last.cap > 1 and req_ids and max(remaining) > 1:
             key = (self._version, tuple(req_ids))
             tables = self._tables_of(key, req_ids)
             self._prepared = Prepared(self.steps, key, tables, self._span_search(req_ids, remaining, tables))

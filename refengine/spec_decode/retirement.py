@@ -19,6 +19,7 @@ regime a request that drafted retires whatever its own table and pending follow-
 from __future__ import annotations
 
 from refengine.spec_decode.acceptance_estimate import SHORT_PROBE_RATE, table_from_rates
+from refengine.spec_decode.dormancy import DORMANT_PRICE
 from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
@@ -76,10 +77,11 @@ class Retirement(Exploration):
             out.retire(r, f"{regime} / {'own blocks' if r in self.drafted else 'passed over'} / batch {n}")
             self._version += 1  # its table is now flat: the cached decision and tables are stale
 
-    def admit(self, req_id: int, max_tokens: int, prompt_rows: int, batch: int) -> bool:
-        """A new request joining a batch of `batch` requests (itself included), before its prefill: True when it
-        is admitted retired (refengine/spec_decode/dormancy.py: the policy is dormant, the regime holds at this
-        batch size, and the work admitted since the last probe does not pay for one), so its prefill captures
+    def admit(self, req_id: int, max_tokens: int, prompt_rows: int, batch: int, arriving: int = 1) -> bool:
+        """A new request joining a batch of `batch` requests (itself included), with `arriving` - 1 others in the
+        same prefill, before it: True when it is admitted retired (refengine/spec_decode/dormancy.py: the policy
+        is dormant, the regime holds at this batch size, staying awake is not cheap there (_awake_is_cheap),
+        and the work admitted since the last probe does not pay for one), so its prefill captures
         nothing and it never drafts; False: it is a new request like any other (a dormant one's probe: not
         passed over by the sample). `prompt_rows`: its prompt's context, which its probe would catch up."""
         dormancy, fails = self.dormancy, self._position_one_fails()
@@ -93,10 +95,33 @@ class Retirement(Exploration):
         probe = self.cost.draft_s(1, span) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
         probe += self.cost.host_s("verify", batch)  # (plain: P(n) + H_plain(n), _find_plain_regime)
         probe += self.cost.catch_up_s(prompt_rows)
+        if self._awake_is_cheap(probe, arriving * max_tokens * plain / batch, fails):
+            return False
         if not dormancy.admit(req_id, max_tokens * plain / batch, max(probe, 0.0)):
             return False
         self.sample.retire(req_id, f"dormant / batch {batch}", at_admission=True)
         return True
+
+    def _awake_is_cheap(self, probe_s: float, arriving_s: float, fails: bool) -> bool:
+        """Stay awake (no dormant admission) where nothing is known to fail, in first or later blocks, and a
+        probe step costs under DORMANT_PRICE of the plain time of the work arriving with it (`arriving_s`: the
+        requests admitted in the same prefill). There a surprise is only a block past the workload's odds
+        (_surprising), and a dormant policy sees a turn only through the probes DORMANT_SHARE of its work pays
+        for: in simulation (tests/unit/test_dormancy.py), a c8 / c32 wave workload going from geometric 0.25
+        to 0.85 after 20 waves ran 0.33-1.07 / 0.50-0.99 of the better mode in the waves after the turn over six
+        random paths (dormant on 2 / 6 of them: those read 0.33 and 0.65 at c8), and 0.80-1.07 / 0.96-1.02 with
+        this rule (test_surprise.py's turn test runs one path, a lucky one). Awake, a wave pays its probe step
+        (under DORMANT_PRICE of its work; ~0.4% at Qwen3-4B shapes) and its prefill's taps: the poor phase before
+        the turn ran 0.988-0.993 of plain at c32 against 0.990-0.996 dormant. The trained tiny pair's probe step is
+        1.3-2.3% of its waves' work (its plain steps are 0.46-0.62 ms): dormant as before. Arrivals one at a time
+        (a probe's step against one request's work), or where position 1 or a later one is known to fail (a
+        turn then surprises by the position rule), dormancy is unchanged."""
+        if fails:
+            return False
+        est = self.estimates
+        if min(est.failing_span(), est.failing_span(later=True)) < self.block_size:
+            return False
+        return probe_s < DORMANT_PRICE * arriving_s
 
     def _awaits_reprobe(self, req_id: int, n: int) -> bool:
         """In a batch small enough to re-probe (exploration.REPROBE_EVERY), a request retires in a plain regime

@@ -352,7 +352,7 @@ def _simulate_phases(
                 rid, to_come = rid + len(new), to_come - len(new)
                 if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits them retired
                     for r in new:
-                        pol.admit(r, tokens, 128, concurrency)
+                        pol.admit(r, tokens, 128, concurrency, len(new))
                 if mode == "fixed" or (mode == "adaptive" and any(r not in pol.retired for r in new)):
                     elapsed += prefill_taps_s
             live = sorted(left)

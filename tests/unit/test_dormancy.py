@@ -5,7 +5,9 @@ that probe is not passed over by the probe sample, and a surprising block ends d
 regime calm gathered in large batches does not make small ones dormant (a drafter whose first blocks are poor
 and later ones good must still be probed on at c1: tests/unit/test_adaptive.py's
 test_poor_first_blocks_do_not_lock_adaptive_into_plain); where position 1 fails everywhere it does. In
-simulation with what each look costs on the H200, a settled tau-1 workload runs within 0.6% of plain.
+simulation with what each look costs on the H200, a settled tau-1 workload runs within 0.6% of plain. Where
+nothing is known to fail and a wave's probe step is cheap beside its work, the policy stays awake
+(Retirement._awake_is_cheap): a turn after a long poor stretch is then found on every random path.
 
 Run: python -m pytest tests/unit/test_dormancy.py -q
 """
@@ -16,9 +18,11 @@ import pytest
 
 from refengine.spec_decode.acceptance_profile import parse_profile
 from refengine.spec_decode.adaptive import AdaptivePolicy
-from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_SHARE, Dormancy
+from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_PRICE, DORMANT_SHARE, Dormancy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
+from refengine.spec_decode.retirement import RETIRE_AFTER
 from tests.unit.test_adaptive import _later_blocks_fail_too, _policy_with_failing_first_blocks, _simulate_phases
+from tests.unit.test_surprise import B, _geometric_workload
 
 
 def _probe_and_fail(pol: AdaptivePolicy, batch: list[int], tokens: int = 128) -> list[int]:
@@ -156,3 +160,42 @@ def test_each_kind_of_batch_loses_its_calm_by_its_own_rule():
     assert d.calm == [1, DORMANT_AFTER + 1], d.calm
     d.surprise(True, True)
     assert d.calm == [0, 0], f"calm {d.calm}: a block past large batches' odds surprises both"
+
+
+def test_a_turn_after_a_long_poor_stretch_is_found_on_every_path():
+    # waves going from geometric 0.25 (plain wins, nothing known to fail) to 0.85 after 20 waves, six random
+    # paths: dormant, a turn is seen only through the probes DORMANT_SHARE of the work pays for; at c32 every
+    # path went dormant and read 0.50-0.99 of the better mode after the turn, at c8 two of six (0.33, 0.65).
+    # Staying awake where a probe step is cheap (Retirement._awake_is_cheap): 0.96-1.02 at c32, 0.80-1.07 at c8
+    # (the c8 paths below 0.9 are not dormancy's: they read the same either way), the poor phase >= 0.988
+    for c, after in ((8, 10), (32, 6)):
+        poor, turn = [], []
+        for seed in range(1, 7):
+            phases = [(c, 0.25, 20, 128), (c, 0.85, after, 128)]
+            got = {m: _simulate_phases(m, phases, seed=seed) for m in ("adaptive", "plain", "fixed")}
+            poor.append(got["adaptive"][0] / max(got["plain"][0], got["fixed"][0]))
+            turn.append(got["adaptive"][1] / max(got["plain"][1], got["fixed"][1]))
+        shown = f"c{c}: poor phase {[round(r, 3) for r in poor]}, after the turn {[round(r, 3) for r in turn]}"
+        assert min(poor) >= 0.985, shown
+        if c == 32:
+            assert min(turn) >= 0.95, shown
+        else:
+            assert min(turn) >= 0.78 and sum(turn) / len(turn) >= 0.9, shown
+
+
+def test_a_cheap_probe_keeps_a_wave_awake_where_nothing_is_known_to_fail():
+    # a plain regime at c32 (geometric 0.2: nothing known to fail), calm enough for dormancy: a wave of 32 new
+    # requests whose probe step costs under DORMANT_PRICE of their plain time stays awake; one arrival alone (a
+    # probe step against one request's work), or the same wave where position 1 fails everywhere, is admitted
+    # retired as before
+    pol, rid = _geometric_workload(0.2)
+    pol._spec_at = pol.steps - RETIRE_AFTER
+    batch = list(range(rid, rid + 32))
+    pol.choose(batch, [500] * 32)
+    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    est = pol.estimates
+    assert min(est.failing_span(), est.failing_span(later=True)) == B and pol._plain_regime(32, False) is not None
+    assert not pol.admit(1000, 128, 128, 32, arriving=32), "a wave whose probe step is cheap was admitted retired"
+    assert pol.admit(1001, 128, 128, 32, arriving=1), "a lone arrival was not admitted retired"
+    assert pol._awake_is_cheap(1e-3, 1.0, fails=False) and not pol._awake_is_cheap(1e-3, 1.0, fails=True)
+    assert not pol._awake_is_cheap(DORMANT_PRICE * 1.0, 1.0, fails=False), "a probe at the price is not cheap"

@@ -32,7 +32,8 @@ B = 16
 
 def _speculating_policy(ids: list[int], accepted: int) -> AdaptivePolicy:
     """A policy past calibration and first-step probes whose requests each accepted `accepted` drafts of
-    a full block twice (a memory-bound verify: speculation pays when they accept)."""
+    a full block twice (a memory-bound verify: speculation pays when they accept), and its choice for them: the
+    step whose run a preparation overlaps."""
     pol = AdaptivePolicy(B, cost=CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5))
     pol.cost.plain.updates = pol.cost.verify.updates = 1  # both curves measured: no calibration step
     pol._next_explore = 10**9  # no exploration step
@@ -40,7 +41,20 @@ def _speculating_policy(ids: list[int], accepted: int) -> AdaptivePolicy:
         for r in ids:
             pol.observe_acceptance(r, B, accepted)
     pol.drafted = {r: (3, 0) for r in ids}  # probed enough: no follow-up probes
+    pol.choose(ids, [101] * len(ids))
     return pol
+
+
+def test_no_search_is_prepared_after_a_plain_decision():
+    # a step that drafts only probes or an exploration runs on a plain decision: a search on what it knew is
+    # plain too and would not be taken (H200, the trained tiny pair at c8: its probe step ran two searches)
+    ids, rem = [0, 1, 2, 3], [100] * 4
+    plain, spec = _speculating_policy(ids, accepted=0), _speculating_policy(ids, accepted=12)
+    assert plain.last is not None and plain.last.cap == 1 and spec.last is not None and spec.last.cap > 1
+    plain.prepare(ids, rem)
+    spec.prepare(ids, rem)
+    assert plain._prepared is None, "a search was prepared after a plain decision"
+    assert spec._prepared is not None and spec._prepared.decision.cap > 1, "no search prepared after speculating"
 
 
 def test_a_prepared_choice_equals_a_fresh_one_when_nothing_is_observed_between():
