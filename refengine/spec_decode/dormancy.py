@@ -57,6 +57,9 @@ class Dormancy:
     admitted: int = 0  # new requests admitted retired
     probes: int = 0  # new requests admitted to be probed while dormant
     due: set[int] = field(default_factory=set)  # dormant probes whose first block is not in yet
+    # by kind of batch, as calm: dormancy was entered (a new request admitted retired or as its probe) since the
+    # last surprise; the entry's condition (Retirement._awake_is_cheap) is not asked again until one
+    entered: list[bool] = field(default_factory=lambda: [False, False])
 
     def dormant(self, batch: int, fails: bool = False) -> bool:
         """Dormant at this batch size: DORMANT_AFTER calm first blocks of its kind of batch, or of any kind
@@ -82,8 +85,10 @@ class Dormancy:
         if small:
             self.calm[0] = 0
             self.credit_s = 0.0
+            self.entered[0] = False
         if large:
             self.calm[1] = 0
+            self.entered[1] = False
 
     def admit(self, req_id: int, work_s: float, probe_s: float) -> bool:
         """While dormant, a new request whose work (`work_s`: its tokens at plain decode's time a token) joins

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from refengine.spec_decode.acceptance_estimate import SHORT_PROBE_EVIDENCE
 from refengine.spec_decode.acceptance_profile import parse_profile
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_PRICE, DORMANT_SHARE, Dormancy
@@ -199,3 +200,27 @@ def test_a_cheap_probe_keeps_a_wave_awake_where_nothing_is_known_to_fail():
     assert pol.admit(1001, 128, 128, 32, arriving=1), "a lone arrival was not admitted retired"
     assert pol._awake_is_cheap(1e-3, 1.0, fails=False) and not pol._awake_is_cheap(1e-3, 1.0, fails=True)
     assert not pol._awake_is_cheap(DORMANT_PRICE * 1.0, 1.0, fails=False), "a probe at the price is not cheap"
+
+
+def test_a_position_failing_on_half_the_evidence_and_an_entered_dormancy_keep_it():
+    # the bench's tau 1.3 profile (position 2 never accepted) holds position 2's evidence near the count
+    # failing_span asks, as it is tested only when position 1 accepts: with failing_span's test the rule woke
+    # the H200's c32 cell for most waves (32 of 256 requests admitted retired, run 142)
+    pol, rid = _geometric_workload(0.2)
+    pol._spec_at = pol.steps - RETIRE_AFTER
+    batch = list(range(rid, rid + 32))
+    pol.choose(batch, [500] * 32)
+    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    est = pol.estimates
+    est.accepted[1], est.tested[1] = 0.0, SHORT_PROBE_EVIDENCE / 2  # position 2: never accepted, thin evidence
+    est.observations += 1  # (a new population version: its memoised rates are stale)
+    assert est.failing_span() == B, "failing_span should not know position 2 fails on this evidence"
+    assert not pol._awake_is_cheap(1e-3, 1.0, fails=False), "position 2 fails on half the evidence: not cheap"
+    assert pol.admit(1000, 128, 128, 32, arriving=32) and pol.dormancy.entered == [False, True]
+    est.tested[1] = 0.0  # the evidence gone: nothing known to fail, a cheap probe; dormancy entered stays
+    est.observations += 1
+    assert pol._awake_is_cheap(1e-3, 1.0, fails=False)
+    assert pol.admit(1001, 128, 128, 32, arriving=32), "an entered dormancy asked the rule again"
+    pol.dormancy.surprise(False, True)
+    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    assert pol.dormancy.entered == [False, False] and not pol.admit(1002, 128, 128, 32, arriving=32), "after a surprise"
