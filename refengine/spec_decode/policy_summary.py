@@ -36,6 +36,7 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             "admitted": policy.dormancy.admitted,
             "probes": policy.dormancy.probes,
             "calm": list(policy.dormancy.calm),
+            "entered": list(policy.dormancy.entered),  # by kind of batch: the price rule no longer asked
         },
         "explore_interval": policy.interval,
         "explore_regret_ms": round(policy.regret_s * 1e3, 3),

@@ -73,7 +73,8 @@ def test_a_calm_poor_workload_admits_requests_retired_and_probes_what_the_credit
         pol.release(rid)
         rid += 1
     assert 1 <= probed and abs(probed - expected) <= 1, f"{probed} probes in {n} requests, expected {expected}"
-    assert pol.summary()["dormant"] == {"admitted": retired, "probes": probed, "calm": [DORMANT_AFTER + probed, 0]}
+    want = {"admitted": retired, "probes": probed, "calm": [DORMANT_AFTER + probed, 0], "entered": [True, False]}
+    assert pol.summary()["dormant"] == want
     assert pol.summary()["retired_by"]["dormant / batch 1"] == retired
 
 
