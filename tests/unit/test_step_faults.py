@@ -18,6 +18,7 @@ import pytest
 from refengine import FinishReason, RequestStatus, SamplingParams
 from refengine.errors import IntegrityError, StepError
 from refengine.plan import StepResult
+from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.faults import FaultInjector
 
@@ -167,11 +168,21 @@ def test_a_failing_policy_choice_decodes_plainly_and_the_engine_goes_on(random_p
     bug in it) used to stop the engine. Now that step decodes plainly (spans never change a greedy output), the
     failure is logged and counted, and the engine goes on: outputs exact, nothing leaks."""
     engine, policy = _adaptive_at_tau1(random_pair)
-    choose, calls, left_probed = policy.choose, [0], []
+    # costs fixed (no calibration, no learning from this CPU's timings) with plain winning: every new request's
+    # first choice probes it. On learnt CPU costs whether a choice probed depended on the timings (in 3 of 6 runs
+    # none did, and no choice failed)
+    fixed = CostModel.linear(20e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
+    policy.cost.verify, policy.cost.draft, policy.cost.plain = fixed.verify, fixed.draft, fixed.plain
+    policy.cost.plain.updates = policy.cost.verify.updates = 1
+    policy.observe_step = lambda *a, **k: None  # type: ignore[method-assign]
+    policy.cost.observe_host = lambda *a, **k: None  # type: ignore[method-assign]
+    policy._next_explore = 10**9
+    choose, calls, left_probed, probing = policy.choose, [0], [], [0]
 
     def sometimes_broken(req_ids, remaining):
         calls[0] += 1
         spans = choose(req_ids, remaining)  # (its state changed, as a choice failing late leaves it)
+        probing[0] += bool(policy.probed)
         if policy.probed and policy.errors < 2:  # the first two choices that probe someone fail
             raise KeyError(12345)  # as a released drafter context's lookup did (twenty-third session)
         return spans
@@ -191,6 +202,7 @@ def test_a_failing_policy_choice_decodes_plainly_and_the_engine_goes_on(random_p
     _drain(engine)
     assert policy.errors == 2 and policy.summary()["errors"] == 2, (calls, policy.summary()["errors"])
     assert left_probed == [[], []], f"probes left after failed choices: {left_probed}"
+    assert probing[0] >= 3, f"{probing[0]} choices probed: the failed choices' requests were not probed again"
     _exact(reqs, refs, range(4))
 
 
