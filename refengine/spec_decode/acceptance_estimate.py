@@ -146,12 +146,20 @@ class AcceptanceEstimates:
         blocks and never position 2: span 3, against 16; at c32 on Qwen3-4B shapes a 128-row verify, not 512.)"""
         return self._memoised("failing later" if later else "failing", lambda: self._failing_span(later))
 
-    def _failing_span(self, later: bool) -> int:
+    def fails_somewhere(self, evidence: float) -> bool:
+        """A position of first or later blocks accepts at under SHORT_PROBE_RATE on `evidence` tests (decayed):
+        failing_span's test on other evidence (Retirement._awake_is_cheap asks it on half)."""
+        return self._memoised(
+            f"fails {evidence}",
+            lambda: min(self._failing_span(False, evidence), self._failing_span(True, evidence)) < self.block_size,
+        )
+
+    def _failing_span(self, later: bool, evidence: float = SHORT_PROBE_EVIDENCE) -> int:
         rates, tested = (
             (self.population_rates(), self.later_tested) if later else (self.first_block_rates(), self.tested)
         )
         for k, (rate, t) in enumerate(zip(rates, tested), start=1):
-            if t >= SHORT_PROBE_EVIDENCE and rate < SHORT_PROBE_RATE:
+            if t >= evidence and rate < SHORT_PROBE_RATE:
                 return k + 1
         return self.block_size
 

@@ -123,12 +123,8 @@ class Retirement(Exploration):
         surprise): the bench's tau 1.3 profile (position 2 never accepted) holds position 2's evidence near
         SHORT_PROBE_EVIDENCE, tested only when position 1 accepts, and with failing_span's test the rule woke its
         c32 cell for most waves on the H200 (32 of 256 requests admitted retired, run 142: 0.990 of plain)."""
-        if fails:
+        if fails or self.estimates.fails_somewhere(SHORT_PROBE_EVIDENCE / 2):
             return False
-        est = self.estimates
-        for rates, tested in ((est.first_block_rates(), est.tested), (est.population_rates(), est.later_tested)):
-            if any(r < SHORT_PROBE_RATE and t >= SHORT_PROBE_EVIDENCE / 2 for r, t in zip(rates, tested)):
-                return False  # a position fails (on half the evidence failing_span asks: see the docstring)
         return probe_s < DORMANT_PRICE * arriving_s
 
     def _awaits_reprobe(self, req_id: int, n: int) -> bool:

@@ -185,16 +185,22 @@ def test_a_turn_after_a_long_poor_stretch_is_found_on_every_path():
             assert min(turn) >= 0.78 and sum(turn) / len(turn) >= 0.9, shown
 
 
+def _calm_plain_regime_at_c32() -> AdaptivePolicy:
+    """A plain regime at c32 (geometric 0.2: nothing known to fail), calm enough for dormancy in both kinds of
+    batch, after a choice for 32 requests."""
+    pol, rid = _geometric_workload(0.2)
+    pol._spec_at = pol.steps - RETIRE_AFTER
+    pol.choose(list(range(rid, rid + 32)), [500] * 32)
+    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    return pol
+
+
 def test_a_cheap_probe_keeps_a_wave_awake_where_nothing_is_known_to_fail():
     # a plain regime at c32 (geometric 0.2: nothing known to fail), calm enough for dormancy: a wave of 32 new
     # requests whose probe step costs under DORMANT_PRICE of their plain time stays awake; one arrival alone (a
     # probe step against one request's work), or the same wave where position 1 fails everywhere, is admitted
     # retired as before
-    pol, rid = _geometric_workload(0.2)
-    pol._spec_at = pol.steps - RETIRE_AFTER
-    batch = list(range(rid, rid + 32))
-    pol.choose(batch, [500] * 32)
-    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    pol = _calm_plain_regime_at_c32()
     est = pol.estimates
     assert min(est.failing_span(), est.failing_span(later=True)) == B and pol._plain_regime(32, False) is not None
     assert not pol.admit(1000, 128, 128, 32, arriving=32), "a wave whose probe step is cheap was admitted retired"
@@ -207,11 +213,7 @@ def test_a_position_failing_on_half_the_evidence_and_an_entered_dormancy_keep_it
     # the bench's tau 1.3 profile (position 2 never accepted) holds position 2's evidence near the count
     # failing_span asks, as it is tested only when position 1 accepts: with failing_span's test the rule woke
     # the H200's c32 cell for most waves (32 of 256 requests admitted retired, run 142)
-    pol, rid = _geometric_workload(0.2)
-    pol._spec_at = pol.steps - RETIRE_AFTER
-    batch = list(range(rid, rid + 32))
-    pol.choose(batch, [500] * 32)
-    pol.dormancy.calm = [DORMANT_AFTER, DORMANT_AFTER]
+    pol = _calm_plain_regime_at_c32()
     est = pol.estimates
     est.accepted[1], est.tested[1] = 0.0, SHORT_PROBE_EVIDENCE / 2  # position 2: never accepted, thin evidence
     est.observations += 1  # (a new population version: its memoised rates are stale)
