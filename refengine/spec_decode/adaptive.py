@@ -99,6 +99,10 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     # (steps, _surprise(), rare counts, whether the batch was large) as known at the last decision
     _surprise_at: tuple[int, int, tuple[int, int] | None, bool] = (-1, 1, None, False)
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
+    # the last choice's drafting blocks, (first blocks, later ones), and of those the ones observed past the rare
+    # count so far: a large batch's blocks are judged together (Retirement._rare_together)
+    _blocks: tuple[int, int] = (0, 0)
+    _rare_seen: list[int] = field(default_factory=lambda: [0, 0])
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
@@ -156,6 +160,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
+        self._count_blocks(req_ids, spans, remaining)
         return spans
 
     @property

@@ -18,6 +18,8 @@ regime a request that drafted retires whatever its own table and pending follow-
 
 from __future__ import annotations
 
+import functools
+
 from refengine.spec_decode.acceptance_estimate import SHORT_PROBE_EVIDENCE, SHORT_PROBE_RATE, table_from_rates
 from refengine.spec_decode.dormancy import DORMANT_PRICE
 from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
@@ -26,6 +28,19 @@ from refengine.spec_decode.span_choice import Decision, Table, plain_wins_unifor
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
 SURPRISE_ODDS = 0.05  # large batches, nothing known to fail: a block is a surprise past counts this rare
+
+
+@functools.lru_cache(maxsize=256)
+def rare_in_many(k: int, odds: float = SURPRISE_ODDS) -> int:
+    """The fewest c >= 1 such that c or more of k blocks, each past a count reached in `odds` of blocks, come in
+    at most `odds` of steps: P(Binomial(k, odds) >= c) <= odds (1 for k <= 1: a lone block is judged alone)."""
+    pmf, tail = (1.0 - odds) ** k, 1.0  # P(X = c - 1), P(X >= c) for c = 1
+    for c in range(1, k + 1):
+        tail -= pmf  # P(X >= c)
+        if tail <= odds:
+            return c
+        pmf *= (k - c + 1) / c * odds / (1.0 - odds)
+    return max(k, 1)
 
 
 class Retirement(Exploration):
@@ -91,10 +106,7 @@ class Retirement(Exploration):
         if costs is None:
             return False
         plain = costs[0]
-        span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
-        probe = self.cost.draft_s(1, span) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
-        probe += self.cost.host_s("verify", batch)  # (plain: P(n) + H_plain(n), _find_plain_regime)
-        probe += self.cost.catch_up_s(prompt_rows)
+        probe = self._probe_step_s(batch, plain, prompt_rows)
         kind = batch >= PROBE_SAMPLE
         if not dormancy.entered[kind]:
             if self._awake_is_cheap(probe, arriving * max_tokens * plain / batch, fails):
@@ -104,6 +116,13 @@ class Retirement(Exploration):
             return False
         self.sample.retire(req_id, f"dormant / batch {batch}", at_admission=True)
         return True
+
+    def _probe_step_s(self, batch: int, plain: float, prompt_rows: int) -> float:
+        """The predicted cost of a step of `batch` requests that probes one of them (its prompt's `prompt_rows`
+        caught up) over a plain step's (`plain`: P(n) + H_plain(n), _find_plain_regime)."""
+        span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
+        probe = self.cost.draft_s(1, span) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
+        return probe + self.cost.host_s("verify", batch) + self.cost.catch_up_s(prompt_rows)
 
     def _awake_is_cheap(self, probe_s: float, arriving_s: float, fails: bool) -> bool:
         """Stay awake (no dormant admission) where nothing is known to fail, in first or later blocks, and a
@@ -203,7 +222,39 @@ class Retirement(Exploration):
         least = self._surprise()
         rare = self._surprise_at[2]
         small = accepted >= least
-        return small, small and (rare is None or accepted >= rare[0 if first else 1])
+        return small, small and (rare is None or self._rare_together(accepted >= rare[0 if first else 1], first))
+
+    def _count_blocks(self, req_ids: list[int], spans: list[int], remaining: list[int]) -> None:
+        """The choice's drafting blocks by kind, (first blocks, later ones), as observe_acceptance will tell them
+        apart, where they are judged together (_rare_together: a large batch whose probe step is dear beside its
+        work); their count of blocks past the rare count starts at 0."""
+        first = later = 0
+        if max(spans, default=1) > 1:
+            for r, s in zip(req_ids, spans):
+                if s > 1:
+                    if r in self.drafted or self.sample.passed(r):
+                        later += 1
+                    else:
+                        first += 1
+        n = len(req_ids)
+        if max(first, later) > 1 and n >= PROBE_SAMPLE:
+            plain = self.cost.plain_step_s(n)
+            rows = self._catch_up_rows // (first + later)
+            if self._probe_step_s(n, plain, rows) < DORMANT_PRICE * sum(remaining) * plain / n:
+                first, later = min(first, 1), min(later, 1)  # cheap: each block judged alone
+        self._blocks = (first, later)
+        self._rare_seen = [0, 0]
+
+    def _rare_together(self, rare: bool, first: bool) -> bool:
+        """A block past the rare count surprises a large batch once its step has as many of its kind as k such
+        blocks reach in under SURPRISE_ODDS of steps (rare_in_many, k the step's blocks of that kind): with
+        every request of a c32 wave probed, a count reached in 3% of first blocks came once a wave, each a
+        surprise holding off the plain regime for a wave (H200 run 136)."""
+        if not rare:
+            return False
+        kind = 0 if first else 1
+        self._rare_seen[kind] += 1
+        return self._rare_seen[kind] >= rare_in_many(self._blocks[kind])
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at
