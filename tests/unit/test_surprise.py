@@ -31,10 +31,11 @@ def _simulation_costs() -> CostModel:
     return CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
 
 
-def _geometric_workload(alpha: float, seed: int = 3) -> tuple[AdaptivePolicy, int]:
+def _geometric_workload(alpha: float, seed: int = 3, cost: CostModel | None = None) -> tuple[AdaptivePolicy, int]:
     """A policy whose first and later blocks accept each draft with `alpha` (geometric), on ample evidence, with
-    both cost curves measured and no exploration due. Returns it and the next request id."""
-    pol = AdaptivePolicy(B, cost=_simulation_costs())
+    both cost curves measured (`cost`, default the simulation's) and no exploration due. Returns it and the next
+    request id."""
+    pol = AdaptivePolicy(B, cost=cost or _simulation_costs())
     pol.cost.plain.updates = pol.cost.verify.updates = 1
     pol._next_explore = 10**9
     rng = random.Random(seed)
