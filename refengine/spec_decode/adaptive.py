@@ -293,7 +293,8 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         # its first block: its first draft, unless it was passed over by the probe sample and decoded plainly
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
-        by_kind = self._surprising_by_kind(accepted, first)  # (small batches' rule, large ones'): dormancy's calm
+        # (small batches' rule, large ones': a large batch's rare blocks judged together): dormancy's calm
+        by_kind = self._rare_together(self._surprising_by_kind(accepted, first), first)
         surprising = self._surprising(accepted, first, by_kind)  # past what the workload accepts: no plain regime
         if first:
             self.sample.observe_first_block(surprising)

@@ -55,6 +55,7 @@ class Retirement(Exploration):
     _blocks: tuple[int, int]
     _rare_seen: list[int]
     _budgets: dict[int, int]
+    _catch_up_rows: int
     _retiring: int | None
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
@@ -226,12 +227,13 @@ class Retirement(Exploration):
         least = self._surprise()
         rare = self._surprise_at[2]
         small = accepted >= least
-        return small, small and (rare is None or self._rare_together(accepted >= rare[0 if first else 1], first))
+        return small, small and (rare is None or accepted >= rare[0 if first else 1])
 
     def _count_blocks(self, req_ids: list[int], spans: list[int], remaining: list[int]) -> None:
         """The choice's drafting blocks by kind, (first blocks, later ones), as observe_acceptance will tell them
         apart, where they are judged together (_rare_together: a large batch whose probe step is dear beside its
-        work); their count of blocks past the rare count starts at 0."""
+        whole work; where it is cheap, false alarms cost little and find turns sooner); their count of blocks past
+        the rare count starts at 0."""
         first = later = 0
         if max(spans, default=1) > 1:
             for r, s in zip(req_ids, spans):
@@ -249,16 +251,17 @@ class Retirement(Exploration):
         self._blocks = (first, later)
         self._rare_seen = [0, 0]
 
-    def _rare_together(self, rare: bool, first: bool) -> bool:
-        """A block past the rare count surprises a large batch once its step has as many of its kind as k such
-        blocks reach in under SURPRISE_ODDS of steps (rare_in_many, k the step's blocks of that kind): with
-        every request of a c32 wave probed, a count reached in 3% of first blocks came once a wave, each a
-        surprise holding off the plain regime for a wave (H200 run 136)."""
-        if not rare:
-            return False
+    def _rare_together(self, by_kind: tuple[bool, bool], first: bool) -> tuple[bool, bool]:
+        """An observed block's verdicts (_surprising_by_kind's) with large batches' odds rule applied to its step's
+        blocks together: a block past the rare count surprises a large batch once its step has as many of its
+        kind as k such blocks reach in under SURPRISE_ODDS of steps (rare_in_many, k the step's blocks of that
+        kind, _count_blocks). With every request of a c32 wave probed, a count reached in 3% of first blocks came
+        once a wave, each a surprise holding off the plain regime for a wave (H200 run 136). Counts the block."""
+        if not by_kind[1] or self._surprise_at[2] is None:  # (no odds rule: a failing position's rule, alone)
+            return by_kind
         kind = 0 if first else 1
         self._rare_seen[kind] += 1
-        return self._rare_seen[kind] >= rare_in_many(self._blocks[kind])
+        return by_kind[0], self._rare_seen[kind] >= rare_in_many(self._blocks[kind])
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at

@@ -87,6 +87,9 @@ def test_a_short_c32_settle_on_one_batch_of_prompts_leaves_the_next_cells_dorman
     looks = dict(seeded=True, prefill_taps_s=0.54e-3, taps_s=6e-6, catch_up_fixed_s=0.5e-3, catch_up_row_s=0.5e-6)
     phases = [(32, 0.5, 11, 128), (8, 0.5, 9, 128), (16, 0.5, 9, 128), (32, 0.5, 9, 128)]
     for seed in (1, 2, 3):
-        got = {m: _simulate_phases(m, phases, p_first=_FixedBatch(), true=tiny, seed=seed, **looks) for m in ("adaptive", "plain")}
+        got = {
+            m: _simulate_phases(m, phases, p_first=_FixedBatch(), true=tiny, seed=seed, **looks)
+            for m in ("adaptive", "plain")
+        }
         ratios = [round(a / p, 3) for a, p in zip(got["adaptive"], got["plain"])]
         assert ratios[0] >= 0.95 and min(ratios[1:]) >= 0.99, f"path {seed}: adaptive / plain by phase {ratios}"
