@@ -18,7 +18,7 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
     (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
     running, waiting ones included; every speculating request's drafter context matches its KV; the
     requests retired from speculation are running, and the policy and the scheduler agree on them and on the
-    shadow probes awaiting an answer."""
+    shadow probes awaiting an answer; the policy keeps admission budgets for running requests only."""
     sched.pool.check_integrity()
     running = {r.request_id: r for r in sched.running}
     waiting = {r.request_id: r for r in sched.waiting}
@@ -57,6 +57,11 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
             raise IntegrityError(
                 f"retired from speculation: the policy holds {sorted(policy.retired)}, the scheduler's stats "
                 f"{sorted(sched.retired_at)}, running {sorted(running)}"
+            )
+        if policy is not None and policy.budgets.keys() - running.keys():
+            raise IntegrityError(
+                f"the policy keeps budgets for requests {sorted(policy.budgets.keys() - running.keys())}, "
+                f"running {sorted(running)}"
             )
         if policy is not None and (policy.in_flight != sched.shadows.open.keys() or policy.in_flight - running.keys()):
             raise IntegrityError(

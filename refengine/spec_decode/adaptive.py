@@ -103,7 +103,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     # count so far: a large batch's blocks are judged together (Retirement._rare_together)
     _blocks: tuple[int, int] = (0, 0)
     _rare_seen: list[int] = field(default_factory=lambda: [0, 0])
-    _budgets: dict[int, int] = field(default_factory=dict)  # req -> its max_tokens, as admitted (admit)
+    budgets: dict[int, int] = field(default_factory=dict)  # live req -> its max_tokens, as admitted (admit)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
     _tables: tuple[tuple, list[Table]] | None = None  # (version, request ids) -> their E tables (read only)
@@ -310,7 +310,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
 
     def release(self, req_id: int) -> None:
         self.in_flight.discard(req_id)
-        self._budgets.pop(req_id, None)
+        self.budgets.pop(req_id, None)
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self._drafted_at.pop(req_id, None)

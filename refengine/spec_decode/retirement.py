@@ -55,7 +55,7 @@ class Retirement(Exploration):
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
     _blocks: tuple[int, int]
     _rare_seen: list[int]
-    _budgets: dict[int, int]
+    budgets: dict[int, int]
     _catch_up_rows: int
     _retiring: int | None
 
@@ -104,7 +104,7 @@ class Retirement(Exploration):
         and the work admitted since the last probe does not pay for one), so its prefill captures
         nothing and it never drafts; False: it is a new request like any other (a dormant one's probe: not
         passed over by the sample). `prompt_rows`: its prompt's context, which its probe would catch up."""
-        self._budgets[req_id] = max_tokens  # (_count_blocks prices a probe against its batch's whole work)
+        self.budgets[req_id] = max_tokens  # (_count_blocks prices a probe against its batch's whole work)
         dormancy, fails = self.dormancy, self._position_one_fails()
         if not dormancy.dormant(batch, fails):
             return False
@@ -245,7 +245,7 @@ class Retirement(Exploration):
                         first += 1
         n = len(req_ids)
         if max(first, later) > 1 and n >= PROBE_SAMPLE:  # its whole work: a verdict that holds through a wave
-            plain, budgets = self.cost.plain_step_s(n), self._budgets
+            plain, budgets = self.cost.plain_step_s(n), self.budgets
             work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
             if self._probe_step_s(n, plain, self._catch_up_rows // (first + later)) < DORMANT_PRICE * work:
                 first, later = min(first, 1), min(later, 1)  # cheap: each block judged alone

@@ -4,7 +4,8 @@ blocks of its kind reach in under SURPRISE_ODDS of cases is what 32 blocks give 
 takes rare_in_many(32) of them. Each such surprise held off the plain regime for a wave, so a wave of new
 requests was probed again, and one prompt's first block surprised again (the H200's trained tiny pair, run 136:
 no calm, no dormancy, a c8 cell paying its probes). Where a probe step is cheap beside the batch's work, each
-block is judged alone as before: false alarms cost little there, and they find turns sooner.
+block is judged alone as before: false alarms cost little there, and they find turns sooner. The price is
+taken against the batch's whole budgets, which the policy keeps for running requests only.
 
 Run: python -m pytest tests/unit/test_rare_together.py -q
 """
@@ -13,8 +14,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
+from refengine.errors import IntegrityError
+from refengine.request import SamplingParams
 from refengine.spec_decode.retirement import SURPRISE_ODDS, rare_in_many
 from refengine.spec_decode.step_costs import CostModel
+from tests.adapter import cpu_engine
 from tests.unit.test_adaptive import _simulate_phases
 from tests.unit.test_surprise import B, _geometric_workload
 
@@ -93,3 +99,26 @@ def test_a_short_c32_settle_on_one_batch_of_prompts_leaves_the_next_cells_dorman
         }
         ratios = [round(a / p, 3) for a, p in zip(got["adaptive"], got["plain"])]
         assert ratios[0] >= 0.95 and min(ratios[1:]) >= 0.99, f"path {seed}: adaptive / plain by phase {ratios}"
+
+
+def test_the_policy_keeps_a_budget_for_running_requests_only(trained_pair):
+    # _count_blocks prices a probe against each request's whole budget, recorded at admission: finished,
+    # aborted and rolled-back requests leave none behind (check_integrity says so between steps)
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, speculation="adaptive", num_blocks=64)
+    policy = engine.scheduler.policy
+    assert policy is not None
+    reqs = [
+        engine.add_request([5 + i, 9, 13, 2 * i + 1], SamplingParams(max_tokens=6 + 2 * i, ignore_eos=True))
+        for i in range(3)
+    ]
+    engine.step()  # the prefill admits all three
+    assert policy.budgets == {r.request_id: 6 + 2 * i for i, r in enumerate(reqs)}, policy.budgets
+    assert engine.abort(reqs[1].request_id)
+    engine.check_integrity()
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+    assert policy.budgets == {}, f"budgets left behind: {policy.budgets}"
+    policy.budgets[reqs[0].request_id] = 6  # a leak: a finished request's budget
+    with pytest.raises(IntegrityError, match="budgets"):
+        engine.check_integrity()
