@@ -99,10 +99,10 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     # (steps, _surprise(), rare counts, whether the batch was large) as known at the last decision
     _surprise_at: tuple[int, int, tuple[int, int] | None, bool] = (-1, 1, None, False)
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
-    # the last choice's drafting blocks, (first blocks, later ones), and of those the ones observed past the rare
-    # count so far: a large batch's blocks are judged together (Retirement._rare_together)
-    _blocks: tuple[int, int] = (0, 0)
-    _rare_seen: list[int] = field(default_factory=lambda: [0, 0])
+    # the last choice's step (its requests, budgets left, drafting blocks, whether its probe is dear: None until
+    # priced) and its blocks observed past the rare count so far: Retirement._rare_together
+    _judged: tuple[list[int], list[int], int, bool | None] = ([], [], 0, None)
+    _rare_seen: int = 0
     budgets: dict[int, int] = field(default_factory=dict)  # live req -> its max_tokens, as admitted (admit)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
@@ -161,7 +161,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         if not self._reused:  # (a reused decision retires no one new)
             self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
-        self._count_blocks(req_ids, spans, remaining)
+        self._judge_together(req_ids, spans, remaining)
         return spans
 
     @property
@@ -294,7 +294,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
         # (small batches' rule, large ones': a large batch's rare blocks judged together): dormancy's calm
-        by_kind = self._rare_together(self._surprising_by_kind(accepted, first), first)
+        by_kind = self._rare_together(self._surprising_by_kind(accepted, first))
         surprising = self._surprising(accepted, first, by_kind)  # past what the workload accepts: no plain regime
         if first:
             self.sample.observe_first_block(surprising)

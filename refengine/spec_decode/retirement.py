@@ -53,8 +53,8 @@ class Retirement(Exploration):
     _spec_at: int
     _surprise_at: tuple[int, int, tuple[int, int] | None, bool]
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
-    _blocks: tuple[int, int]
-    _rare_seen: list[int]
+    _judged: tuple[list[int], list[int], int, bool | None]
+    _rare_seen: int
     budgets: dict[int, int]
     _catch_up_rows: int
     _retiring: int | None
@@ -104,7 +104,7 @@ class Retirement(Exploration):
         and the work admitted since the last probe does not pay for one), so its prefill captures
         nothing and it never drafts; False: it is a new request like any other (a dormant one's probe: not
         passed over by the sample). `prompt_rows`: its prompt's context, which its probe would catch up."""
-        self.budgets[req_id] = max_tokens  # (_count_blocks prices a probe against its batch's whole work)
+        self.budgets[req_id] = max_tokens  # (_rare_together prices a probe against its batch's whole work)
         dormancy, fails = self.dormancy, self._position_one_fails()
         if not dormancy.dormant(batch, fails):
             return False
@@ -230,39 +230,35 @@ class Retirement(Exploration):
         small = accepted >= least
         return small, small and (rare is None or accepted >= rare[0 if first else 1])
 
-    def _count_blocks(self, req_ids: list[int], spans: list[int], remaining: list[int]) -> None:
-        """The choice's drafting blocks by kind, (first blocks, later ones), as observe_acceptance will tell them
-        apart, where they are judged together (_rare_together: a large batch whose probe step is dear beside its
-        whole work; where it is cheap, false alarms cost little and find turns sooner); their count of blocks past
-        the rare count starts at 0."""
-        first = later = 0
-        if max(spans, default=1) > 1:
-            for r, s in zip(req_ids, spans):
-                if s > 1:
-                    if r in self.drafted or self.sample.passed(r):
-                        later += 1
-                    else:
-                        first += 1
-        n = len(req_ids)
-        if max(first, later) > 1 and n >= PROBE_SAMPLE:  # its whole work: a verdict that holds through a wave
-            plain, budgets = self.cost.plain_step_s(n), self.budgets
-            work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
-            if self._probe_step_s(n, plain, self._catch_up_rows // (first + later)) < DORMANT_PRICE * work:
-                first, later = min(first, 1), min(later, 1)  # cheap: each block judged alone
-        self._blocks = (first, later)
-        self._rare_seen = [0, 0]
+    def _judge_together(self, req_ids: list[int], spans: list[int], remaining: list[int]) -> None:
+        """The choice's step, whose observed blocks _rare_together judges: its requests, budgets left and drafting
+        blocks (any kind: each is past its own kind's rare count in at most SURPRISE_ODDS of blocks, so the
+        bound holds for the mix); whether its probe is dear is priced at its first rare block (most steps have
+        none: no cost a step)."""
+        self._judged = (req_ids, remaining, len(spans) - spans.count(1), None)
+        self._rare_seen = 0
 
-    def _rare_together(self, by_kind: tuple[bool, bool], first: bool) -> tuple[bool, bool]:
+    def _rare_together(self, by_kind: tuple[bool, bool]) -> tuple[bool, bool]:
         """An observed block's verdicts (_surprising_by_kind's) with large batches' odds rule applied to its step's
-        blocks together: a block past the rare count surprises a large batch once its step has as many of its
-        kind as k such blocks reach in under SURPRISE_ODDS of steps (rare_in_many, k the step's blocks of that
-        kind, _count_blocks). With every request of a c32 wave probed, a count reached in 3% of first blocks came
-        once a wave, each a surprise holding off the plain regime for a wave (H200 run 136). Counts the block."""
+        blocks together where a probe step is dear beside the batch's whole work (the price rule's test, on the
+        requests' budgets as admitted: a verdict that holds through a wave): a block past the rare count then
+        surprises once its step has as many as k such blocks reach in under SURPRISE_ODDS of steps (rare_in_many,
+        k the step's drafting blocks). With every request of a c32 wave probed, a count reached in 3% of first
+        blocks came once a wave, each a surprise holding off the plain regime for a wave (H200 run 136). Where
+        the probe is cheap each block is judged alone: false alarms cost little there and find turns sooner."""
         if not by_kind[1] or self._surprise_at[2] is None:  # (no odds rule: a failing position's rule, alone)
             return by_kind
-        kind = 0 if first else 1
-        self._rare_seen[kind] += 1
-        return by_kind[0], self._rare_seen[kind] >= rare_in_many(self._blocks[kind])
+        req_ids, remaining, k, dear = self._judged
+        self._rare_seen += 1
+        if k <= 1 or len(req_ids) < PROBE_SAMPLE:
+            return by_kind
+        if dear is None:
+            n, budgets = len(req_ids), self.budgets
+            plain = self.cost.plain_step_s(n)
+            work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
+            dear = self._probe_step_s(n, plain, self._catch_up_rows // k) >= DORMANT_PRICE * work
+            self._judged = (req_ids, remaining, k, dear)
+        return (by_kind[0], self._rare_seen >= rare_in_many(k)) if dear else by_kind
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at

@@ -102,7 +102,7 @@ def test_a_short_c32_settle_on_one_batch_of_prompts_leaves_the_next_cells_dorman
 
 
 def test_the_policy_keeps_a_budget_for_running_requests_only(trained_pair):
-    # _count_blocks prices a probe against each request's whole budget, recorded at admission: finished,
+    # _rare_together prices a probe against each request's whole budget, recorded at admission: finished,
     # aborted and rolled-back requests leave none behind (check_integrity says so between steps)
     engine = cpu_engine(trained_pair.target, trained_pair.draft, speculation="adaptive", num_blocks=64)
     policy = engine.scheduler.policy
