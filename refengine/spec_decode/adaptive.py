@@ -103,6 +103,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     # priced) and its blocks observed past the rare count so far: Retirement._rare_together
     _judged: tuple[list[int], list[int], int, bool | None] = ([], [], 0, None)
     _rare_seen: int = 0
+    rare_together: list[int] = field(default_factory=lambda: [0, 0])  # rare blocks judged together, surprising
     budgets: dict[int, int] = field(default_factory=dict)  # live req -> its max_tokens, as admitted (admit)
     _spec_at: int = 0  # the step of the last decision to speculate, or of the last surprising block
     _cached: Decision | None = None
@@ -138,6 +139,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         self.shadows = 0
         self.sample.unprobed = self.sample.retirements = 0
         self.dormancy.admitted = self.dormancy.probes = 0
+        self.rare_together = [0, 0]
         self.sample.retired_by = Counter()
         self._decisions_before = self.steps
 

@@ -38,6 +38,9 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             "calm": list(policy.dormancy.calm),
             "entered": list(policy.dormancy.entered),  # by kind of batch: the price rule no longer asked
         },
+        # large batches' blocks past the rare count judged with their step's others (a dear probe: retirement.py's
+        # _rare_together), and of those the ones that surprised
+        "rare_blocks_judged_together": {"blocks": policy.rare_together[0], "surprising": policy.rare_together[1]},
         "explore_interval": policy.interval,
         "explore_regret_ms": round(policy.regret_s * 1e3, 3),
         "probe_regret_ms": round(policy.probe_regret_s * 1e3, 3),

@@ -55,6 +55,7 @@ class Retirement(Exploration):
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
     _judged: tuple[list[int], list[int], int, bool | None]
     _rare_seen: int
+    rare_together: list[int]
     budgets: dict[int, int]
     _catch_up_rows: int
     _retiring: int | None
@@ -258,7 +259,12 @@ class Retirement(Exploration):
             work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
             dear = self._probe_step_s(n, plain, self._catch_up_rows // k) >= DORMANT_PRICE * work
             self._judged = (req_ids, remaining, k, dear)
-        return (by_kind[0], self._rare_seen >= rare_in_many(k)) if dear else by_kind
+        if not dear:
+            return by_kind
+        surprising = self._rare_seen >= rare_in_many(k)
+        self.rare_together[0] += 1
+        self.rare_together[1] += surprising
+        return by_kind[0], surprising
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at

@@ -57,6 +57,7 @@ def test_one_rare_first_block_among_a_waves_probes_surprises_only_where_a_probe_
         pol.observe_acceptance(probed[0], B, rare)
         if not dear:
             assert pol._spec_at == pol.steps, "a cheap probe: one rare block is a surprise, as before"
+            assert pol.summary()["rare_blocks_judged_together"] == {"blocks": 0, "surprising": 0}
             continue
         assert pol._spec_at == spec_at, f"a dear probe: 1 rare first block of 32 surprised (needs {need})"
         for r in probed[1 : need - 1]:
@@ -64,6 +65,8 @@ def test_one_rare_first_block_among_a_waves_probes_surprises_only_where_a_probe_
         assert pol._spec_at == spec_at, f"{need - 1} rare first blocks of 32 surprised (needs {need})"
         pol.observe_acceptance(probed[need - 1], B, rare)
         assert pol._spec_at == pol.steps, f"{need} rare first blocks of 32 did not surprise"
+        shown = pol.summary()["rare_blocks_judged_together"]
+        assert shown == {"blocks": need, "surprising": 1}, f"stats {shown}"
 
 
 # the first blocks of the bench's one batch of prompts (the same 32 every c32 wave): one accepting 3 in 32, a few
