@@ -12,9 +12,10 @@ first blocks, the first probe of a workload turning good retired its request whi
 up; without the population's test, requests with poor blocks of their own retired while the later blocks
 would win. Which requests, and the probe sample that goes with it: refengine/spec_decode/probe_sample.py.
 In a batch of PROBE_SAMPLE or more (nineteenth session, docs/PERF.md runs 88-94): with no position known to
-fail, a block is a surprise only past a count its kind of block rarely reaches (_surprising), where a probe step
-is dear only once its step has more such blocks than its count of blocks rarely gives (_rare_together), and in a
-plain regime a request that drafted retires whatever its own table and pending follow-up probes (_retire).
+fail, a block is a surprise only past a count its kind of block rarely reaches (_surprising); where a probe step
+is dear, only once its step has as many such blocks as that many drafting blocks rarely give (_rare_together);
+and in a plain regime a request that drafted retires whatever its own table and pending follow-up probes
+(_retire).
 """
 
 from __future__ import annotations
