@@ -37,12 +37,12 @@ def rare_in_many(k: int, odds: float = SURPRISE_ODDS) -> int:
     """The fewest c >= 1 such that c or more of k blocks, each past a count reached in `odds` of blocks, come in
     at most `odds` of steps: P(Binomial(k, odds) >= c) <= odds (1 for k <= 1: a lone block is judged alone)."""
     pmf, tail = (1.0 - odds) ** k, 1.0  # P(X = c - 1), P(X >= c) for c = 1
-    for c in range(1, k + 1):
+    for c in range(1, k + 1):  # (at c = k the tail is odds ** k: the loop always returns for k >= 1)
         tail -= pmf  # P(X >= c)
         if tail <= odds:
             return c
         pmf *= (k - c + 1) / c * odds / (1.0 - odds)
-    return max(k, 1)
+    return 1  # k = 0: no blocks to judge together
 
 
 class Retirement(Exploration):

@@ -35,7 +35,9 @@ def test_rare_in_many_is_the_fewest_rare_blocks_a_step_of_k_reaches_under_the_od
     for k in range(1, 65):
         c = rare_in_many(k)
         tail, below = _binomial_tail(k, c, SURPRISE_ODDS), _binomial_tail(k, c - 1, SURPRISE_ODDS)
-        assert tail <= SURPRISE_ODDS < below or c == 1, f"k {k}: c {c}, P(>= c) {tail:.4f}, P(>= c - 1) {below:.4f}"
+        assert tail <= SURPRISE_ODDS and (c == 1 or below > SURPRISE_ODDS), (
+            f"k {k}: c {c}, P(>= c) {tail:.4f}, P(>= c - 1) {below:.4f}"
+        )
 
 
 def _dear_probe_costs() -> CostModel:
