@@ -140,6 +140,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         self.sample.unprobed = self.sample.retirements = 0
         self.dormancy.admitted = self.dormancy.probes = 0
         self.rare_together = [0, 0]
+        self.dormancy.doubts = [0, 0]
         self.sample.retired_by = Counter()
         self._decisions_before = self.steps
 
@@ -296,11 +297,14 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         # before (then a later block, as an exploration's of a probed request is)
         first = req_id not in self.drafted and not self.sample.passed(req_id)
         # (small batches' rule, large ones': a large batch's rare blocks judged together): dormancy's calm
+        doubts = self.dormancy.doubts[0]
         by_kind = self._rare_together(self._surprising_by_kind(accepted, first))
         surprising = self._surprising(accepted, first, by_kind)  # past what the workload accepts: no plain regime
         if first:
             self.sample.observe_first_block(surprising)
-            self.dormancy.observe_first_block(req_id, by_kind, self._retiring)
+            # (a block that opened a doubt is not calm either)
+            calm_of = (by_kind[0], by_kind[1] or self.dormancy.doubts[0] > doubts)
+            self.dormancy.observe_first_block(req_id, calm_of, self._retiring)
         if surprising:
             self._spec_at = self.steps
         self.dormancy.surprise(*by_kind)

@@ -60,13 +60,20 @@ class Dormancy:
     # by kind of batch, as calm: dormancy was entered (a new request admitted retired or as its probe) since the
     # last surprise; the entry's condition (Retirement._awake_is_cheap) is not asked again until one
     entered: list[bool] = field(default_factory=lambda: [False, False])
+    # large batches where a probe step is dear: a lone block past the rare count, in doubt (Retirement._doubt):
+    # [blocks judged since it opened, itself included; those past the rare count]. Not dormant there while open
+    doubt: list[int] | None = None
+    doubts: list[int] = field(default_factory=lambda: [0, 0])  # doubts opened, confirmed as surprises (stats)
 
     def dormant(self, batch: int, fails: bool = False) -> bool:
         """Dormant at this batch size: DORMANT_AFTER calm first blocks of its kind of batch, or of any kind
         where position 1 fails in first and later blocks alike (`fails`: nothing is accepted at all, so no
-        batch size or request length can make drafting pay)."""
-        calm = sum(self.calm) if fails else self.calm[batch >= PROBE_SAMPLE]
-        return calm >= DORMANT_AFTER
+        batch size or request length can make drafting pay); in a large batch, not while a doubt is open (its
+        new requests are probed as an awake policy's, to settle it)."""
+        if fails:
+            return sum(self.calm) >= DORMANT_AFTER
+        large = batch >= PROBE_SAMPLE
+        return self.calm[large] >= DORMANT_AFTER and not (large and self.doubt is not None)
 
     def observe_first_block(self, req_id: int, surprising: tuple[bool, bool], retiring_batch: int | None) -> None:
         """A request's first block, drafted in a retirement regime at batch size `retiring_batch` (None: not
@@ -89,6 +96,7 @@ class Dormancy:
         if large:
             self.calm[1] = 0
             self.entered[1] = False
+            self.doubt = None  # (confirmed, or overtaken)
 
     def admit(self, req_id: int, work_s: float, probe_s: float) -> bool:
         """While dormant, a new request whose work (`work_s`: its tokens at plain decode's time a token) joins

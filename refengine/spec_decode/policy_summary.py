@@ -37,6 +37,12 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
             "probes": policy.dormancy.probes,
             "calm": list(policy.dormancy.calm),
             "entered": list(policy.dormancy.entered),  # by kind of batch: the price rule no longer asked
+            # lone rare blocks in large batches where a probe is dear: doubts opened, confirmed, one open now
+            "doubts": {
+                "opened": policy.dormancy.doubts[0],
+                "confirmed": policy.dormancy.doubts[1],
+                "open": policy.dormancy.doubt is not None,
+            },
         },
         # large batches' blocks past the rare count judged with their step's others (a dear probe: retirement.py's
         # _rare_together), and of those the ones that surprised

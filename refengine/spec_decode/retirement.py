@@ -30,6 +30,7 @@ from refengine.spec_decode.span_choice import Decision, Table, plain_wins_unifor
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
 SURPRISE_ODDS = 0.05  # large batches, nothing known to fail: a block is a surprise past counts this rare
+DOUBT_BLOCKS = 5  # a lone rare block's doubt (dear probes, large batches): it and the next 4 blocks settle it
 
 
 @functools.lru_cache(maxsize=256)
@@ -241,31 +242,61 @@ class Retirement(Exploration):
         self._rare_seen = 0
 
     def _rare_together(self, by_kind: tuple[bool, bool]) -> tuple[bool, bool]:
-        """An observed block's verdicts (_surprising_by_kind's) with large batches' odds rule applied to its step's
-        blocks together where a probe step is dear beside the batch's whole work (the price rule's test, on the
-        requests' budgets as admitted: a verdict that holds through a wave): a block past the rare count then
+        """An observed block's verdicts (_surprising_by_kind's) with large batches' odds rule applied to blocks
+        together where a probe step is dear beside the batch's whole work (the price rule's test, on the
+        requests' budgets as admitted: a verdict that holds through a wave). A block past the rare count then
         surprises once its step has as many as k such blocks reach in under SURPRISE_ODDS of steps (rare_in_many,
-        k the step's drafting blocks). With every request of a c32 wave probed, a count reached in 3% of first
-        blocks came once a wave, each a surprise holding off the plain regime for a wave (H200 run 136). Where
-        the probe is cheap each block is judged alone: false alarms cost little there and find turns sooner."""
-        if not by_kind[1] or self._surprise_at[2] is None:  # (no odds rule: a failing position's rule, alone)
+        k the step's drafting blocks); a lone one (k = 1: a dormant policy's probe, an awake c8 wave's sampled
+        one) opens a doubt instead, settled by the blocks after it (_doubt). With every request of a c32 wave
+        probed, a count reached in 3% of first blocks came once a wave, each a surprise holding off the plain
+        regime for a wave (H200 run 136). Where the probe is cheap each block is judged alone: false alarms cost
+        little there and find turns sooner."""
+        if self._surprise_at[2] is None:  # no odds rule: a failing position's rule, alone
             return by_kind
+        rare, doubt = by_kind[1], self.dormancy.doubt
         req_ids, remaining, k, dear = self._judged
-        self._rare_seen += 1
-        if k <= 1 or len(req_ids) < PROBE_SAMPLE:
+        if not (rare or doubt) or len(req_ids) < PROBE_SAMPLE:
             return by_kind
-        if dear is None:
+        self._rare_seen += rare
+        if dear is None:  # priced once a step, at its first rare block (or first block in doubt)
             n, budgets = len(req_ids), self.budgets
             plain = self.cost.plain_step_s(n)
             work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
-            dear = self._probe_step_s(n, plain, self._catch_up_rows // k) >= DORMANT_PRICE * work
+            dear = self._probe_step_s(n, plain, self._catch_up_rows // max(k, 1)) >= DORMANT_PRICE * work
             self._judged = (req_ids, remaining, k, dear)
-        if not dear:
-            return by_kind
-        surprising = self._rare_seen >= rare_in_many(k)
-        self.rare_together[0] += 1
-        self.rare_together[1] += surprising
+        surprising = rare
+        if dear and rare and k > 1:
+            surprising = self._rare_seen >= rare_in_many(k)
+            self.rare_together[0] += 1
+            self.rare_together[1] += surprising
+        elif dear and rare and doubt is None:
+            self.dormancy.doubt = [0, 0]  # this block opens it (counted below)
+            surprising = False
+        if self.dormancy.doubt is not None:
+            surprising = self._doubt(rare) or surprising
         return by_kind[0], surprising
+
+    def _doubt(self, rare: bool) -> bool:
+        """A block judged while a lone rare block's doubt is open (itself the first): True when the doubt's blocks
+        hold as many past the rare count as that many blocks reach in under SURPRISE_ODDS (rare_in_many: the
+        lone block and one more in its next DOUBT_BLOCKS - 1), a surprise; it closes then, or after DOUBT_BLOCKS
+        with no surprise (a false alarm: dormancy resumes where it was). Judged alone, each lone rare block was a
+        surprise: at the trained tiny pair's c8 on the H200 a dormant policy's probe past the rare count (1 in 20
+        of them by the count's definition) kept the cell awake ~25 waves to rebuild DORMANT_AFTER calm blocks at
+        one probe a wave (run 150: a process whose c8 cell ran 0.960 of plain, awake throughout)."""
+        doubt = self.dormancy.doubt
+        assert doubt is not None
+        doubt[0] += 1
+        doubt[1] += rare
+        confirmed = doubt[1] >= rare_in_many(doubt[0])
+        if doubt[0] == 1:  # the lone block itself opened it: judged by the blocks after it
+            self.dormancy.doubts[0] += 1
+            return False
+        if confirmed:
+            self.dormancy.doubts[1] += 1
+        if confirmed or doubt[0] >= DOUBT_BLOCKS:
+            self.dormancy.doubt = None
+        return confirmed
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at
