@@ -18,7 +18,7 @@ from refengine.memory.planner import KvBudgetPlan
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.parallel import TensorParallelGroup, shard_target
-from refengine.plan import Plan, PrefillPlan, validate_result
+from refengine.plan import Plan, PrefillPlan, VerifyPlan, validate_result
 from refengine.request import Request, SamplingParams, SpecStats
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
@@ -237,6 +237,8 @@ class Engine:
                 else:
                     if host_timing is not None and not isinstance(plan, PrefillPlan):
                         host_timing.step_ended(plan)
+                    elif isinstance(plan, VerifyPlan) and sched.costs is not None:
+                        sched.costs.step_ended(plan)  # timed from its choice (Scheduler): H_verify, the regime's
         done = sched.take_done()
         self.finished.extend(done)
         return done

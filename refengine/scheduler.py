@@ -231,6 +231,8 @@ class Scheduler(StepCommit):
                 return self._decode(spec)  # every one retired from speculation: plain decode's own step
             remaining = [r.remaining for r in spec]
             if self.policy is not None:
+                if self.costs is not None:
+                    self.costs.choice_started()  # a speculating step's host time, from here (CostModel.host_s)
                 spans = self._choose(spec, remaining)
                 newly = self.policy.take_retired()
                 if newly:

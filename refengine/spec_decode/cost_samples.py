@@ -11,8 +11,10 @@ steps. A sample whose steps captured a CUDA graph is dropped: its time is the ca
 
 With CostModel.price_host, each step's host time (its wall time in Engine.step less the runner's synchronised
 work: the choice, the commit) is summed by kind of step (a speculating one, a plain one) and handed over with
-the cost samples, as the mean of the steps since: the policy prices it (step_costs.H_verify / H_plain). Off, it
-is not measured: ~5 us a step on the dev CPU, ~1% of a plain step of the trained tiny pair.
+the cost samples, as the mean of the steps since: the policy prices it (step_costs.H_verify / H_plain). Off,
+only verify steps are timed, from their choice (choice_started): a large batch's plain-regime test prices
+H_verify (CostModel.host_s); timing every step cost ~5 us a step on the dev CPU, ~1% of a plain step of the
+trained tiny pair.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ class CostSamples:
     def step_started(self) -> None:
         """Engine.step begins (before the schedule): its host time is counted from here."""
         self._step_at = (time.perf_counter(), self._busy())
+
+    def choice_started(self) -> None:
+        """The scheduler asks the policy for a step's spans: without price_host, a verify step's host time is
+        counted from here (Engine.step hands its end only for verify plans), so the plain-regime test can price
+        H_verify (CostModel.host_s) while a dormant wave's steps, which ask nothing, pay nothing for it."""
+        if not self.policy.cost.price_host:
+            self.step_started()
 
     def step_ended(self, plan: VerifyPlan | DecodePlan) -> None:
         """The step of `plan` committed: its wall time since step_started less the runner's synchronised work

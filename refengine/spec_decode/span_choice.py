@@ -157,10 +157,11 @@ def _shape_index(executed: tuple[int, ...]) -> tuple[list[int], np.ndarray]:
     return shapes.tolist(), of_rows
 
 
-def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn) -> list[float]:
+def uniform_spec_costs(n: int, block: int, cost: CostModel, rows: RowsFn, regime: bool = False) -> list[float]:
     """[D(n) + V(n, R(n * S)) + H_verify(n) for S = 0..block] (S < 2 unused): a step where each of n requests
-    drafts span S (its draft at that span's score cap)."""
-    host = cost.host_s("verify", n)
+    drafts span S (its draft at that span's score cap); `regime`: H_verify as the plain-regime test prices it
+    (CostModel.host_s)."""
+    host = cost.host_s("verify", n, regime)
     return [0.0, 0.0, *(cost.draft_s(n, s) + host + cost.verify_s(n, rows(n, n * s)) for s in range(2, block + 1))]
 
 

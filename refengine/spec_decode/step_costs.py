@@ -193,12 +193,18 @@ class CostModel:
         t = table.get(bucket if cap is None else (bucket, cap))
         return table.get(bucket) if t is None and cap is not None else t
 
-    def host_s(self, kind: str, n: int) -> float:
+    def host_s(self, kind: str, n: int, regime: bool = False) -> float:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
         was observed. Off by default: on the H200, paired round by round, pricing it gained nothing beyond noise
         and once fell into the small-batch trap (a choice held plain on an estimate's dip): docs/PERF.md,
-        twenty-fourth session."""
-        return self._host_fit_s(kind, n) if self.price_host else 0.0
+        twenty-fourth session. `regime`: as the plain-regime test prices a uniform batch's speculating step
+        (Retirement._find_plain_regime), with H_verify whenever measured (CostSamples times every verify step):
+        a test that retires requests is not held plain by a dip, and without it the trained tiny pair's c8
+        waves on the H200 (verify steps ~2 ms against 0.5 ms plain ones, ~0.5 ms of it host) read speculation
+        as winning on stale rates, each new batch size's first waves woke the dormant policy (run 152)."""
+        if self.price_host or (regime and kind == "verify"):
+            return self._host_fit_s(kind, n)
+        return 0.0
 
     def plain_step_s(self, n: int) -> float:
         """A plain decode step of n requests as the policy prices it: P(n) + H_plain(n)."""

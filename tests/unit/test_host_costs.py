@@ -3,10 +3,14 @@ H_verify / H_plain). Checks that:
 - CostSamples counts a step's host time as its wall time less the runner's synchronised work, by kind of step,
   and hands the means over with the cost samples;
 - an adaptive CPU engine with CostModel.price_host fits both kinds from its own steps (host_ms_model in the
-  policy's stats), and without it measures nothing (the measurement costs host time itself);
+  policy's stats), and without it its verify steps only, timed from their choice (a dormant wave's plain steps
+  pay nothing for the measurement);
 - the choice prices them only with price_host (off by default: no gain measured on the H200, docs/PERF.md), and
   then a speculating choice that wins on the runner's times alone, but not once its extra host time is paid, is
-  plain.
+  plain;
+- a large batch's plain-regime test prices H_verify whenever it is measured (CostModel.host_s(regime=True)): a
+  c8 batch whose speculation wins on the runner's times alone, and loses once its host time is paid, is in a
+  plain regime; a c1 one is not (H200 run 152: the trained tiny pair's c8 waves woke a dormant policy without it).
 
 Run: python -m pytest tests/unit/test_host_costs.py -q
 """
@@ -21,7 +25,8 @@ from refengine.spec_decode import cost_samples
 from refengine.spec_decode.acceptance_estimate import geometric_table
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.cost_samples import BUSY, TIMINGS, CostSamples
-from refengine.spec_decode.span_choice import choose_spans
+from refengine.spec_decode.retirement import RETIRE_AFTER
+from refengine.spec_decode.span_choice import choose_spans, uniform_spec_costs
 from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import cpu_engine
 
@@ -55,7 +60,7 @@ def test_a_steps_host_time_is_its_wall_less_the_runners_work(monkeypatch):
 
 
 @pytest.mark.parametrize("priced", [False, True])
-def test_an_adaptive_engine_fits_its_steps_host_time_when_priced(trained_pair, priced):
+def test_an_adaptive_engine_fits_its_host_time_by_kind_when_priced_and_verify_steps_always(trained_pair, priced):
     engine = cpu_engine(trained_pair.target, trained_pair.draft, max_num_seqs=4, speculation="adaptive")
     policy = engine.scheduler.policy
     assert policy is not None
@@ -74,9 +79,11 @@ def test_an_adaptive_engine_fits_its_steps_host_time_when_priced(trained_pair, p
     while engine.has_work():
         engine.step()
     model = policy.summary()["host_ms_model"]
-    if not priced:
-        assert model["verify"]["fits"] == model["plain"]["fits"] == 0, f"measured while off: {model}"
-        assert policy.cost.host_s("verify", 4) == 0.0
+    if not priced:  # verify steps only, for the plain-regime test; the choice does not price them
+        assert model["verify"]["fits"] >= 2 and model["plain"]["fits"] == 0, f"off: {model}"
+        assert policy.cost.host_s("verify", 4) == 0.0 == policy.cost.host_s("plain", 4, regime=True)
+        h = policy.cost.host_s("verify", 4, regime=True)
+        assert 0.0 < h < 0.5, f"verify: {h * 1e3:.3f} ms a step of host time on the CPU: {model}"
         return
     assert model["verify"]["fits"] >= 2 and model["plain"]["fits"] >= 2, model
     for kind in ("verify", "plain"):
@@ -98,3 +105,41 @@ def test_the_choice_prices_host_time_only_when_asked():
     cost.price_host = True
     d = choose_spans(tables, [100] * 8, B, cost)
     assert d.cap == 1, f"priced: {d}, H_verify {cost.host_s('verify', 8) * 1e3:.2f} ms"
+
+
+# accepted drafts of 16 blocks, first and later alike: position 1 accepted in half, each next one in half of those
+# reaching it (then the 15): E(16) ~ 2.6 tokens a full block
+HALVING_BLOCKS = [0] * 8 + [1] * 4 + [2] * 2 + [3, 15]
+
+
+def _regime_policy(host_ms: float | None) -> AdaptivePolicy:
+    """A policy past RETIRE_AFTER decisions without speculating, its first and later blocks HALVING_BLOCKS, on
+    tiny-pair-like costs (a plain step ~0.7 ms, a c8 full-block draft + verify ~1.6 ms) where a uniform c8 batch
+    drafting full blocks just wins on the runner's times; `host_ms`: each verify step's host time, observed."""
+    pol = AdaptivePolicy(B)
+    pol.cost = CostModel.linear(0.55e-3, 1e-5, 5e-7, 0.45e-3, 1e-4, p0=0.62e-3, p1=1e-5)
+    for rep in range(3):
+        for i, m in enumerate(HALVING_BLOCKS):
+            pol.estimates.observe(rep * 100 + i, B, m, first=True)
+            pol.estimates.observe(rep * 100 + i, B, m, first=False)
+    pol.steps, pol._spec_at = RETIRE_AFTER + 1, 0
+    for _ in range(20) if host_ms is not None else ():
+        pol.cost.observe_host("verify", 8, host_ms * 1e-3)
+    return pol
+
+
+def test_a_large_batchs_plain_regime_prices_a_speculating_steps_host_time():
+    # on the runner's times alone a uniform c8 batch drafting full blocks wins (E(16) ~ 3.1 tokens against a step
+    # ~2.8 plain ones): no plain regime, so a dormant policy's new c8 requests are admitted awake; with 0.5 ms of
+    # host a verify step (the H200's tiny pair measured 0.2-0.8 ms, run 152) plain wins and the regime holds. At c1
+    # the regime test does not price it (the simulated sharegpt c1 cell retired its requests sooner with it).
+    without, priced = _regime_policy(None), _regime_policy(0.5)
+    for pol in (without, priced):
+        assert not pol.cost.price_host and pol.cost.host_s("verify", 8) == 0.0, "the choice never prices it"
+    assert without._find_plain_regime(8, False) is None, "no host time measured: speculation wins at c8"
+    h = priced.cost.host_s("verify", 8, regime=True)
+    got = priced._find_plain_regime(8, False)
+    assert got is not None, f"H_verify(8) {h * 1e3:.2f} ms priced: a plain regime at c8"
+    spec_s = uniform_spec_costs(8, B, priced.cost, priced.rows)[B]
+    assert abs(got[1][B] - spec_s - h) < 1e-12, f"the regime's c8 full-block step {got[1][B]}: {spec_s} + {h}"
+    assert priced._find_plain_regime(1, False) is None, "c1: the regime test prices no host time"
