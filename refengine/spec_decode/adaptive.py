@@ -99,6 +99,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     # (steps, _surprise(), rare counts, whether the batch was large) as known at the last decision
     _surprise_at: tuple[int, int, tuple[int, int] | None, bool] = (-1, 1, None, False)
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
+    _admit_at: tuple[tuple, list] = ((), [])  # (key, [fails, (regime, probe price) or None]): Retirement.admit
     # the last choice's step (its requests, budgets left, drafting blocks, whether its probe is dear: None until
     # priced) and its blocks observed past the rare count so far: Retirement._rare_together
     _judged: tuple[list[int], list[int], int, bool | None] = ([], [], 0, None)
