@@ -101,7 +101,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     _regime_at: tuple[tuple, tuple[float, list[float]] | None] = ((), None)  # (key, _plain_regime() then)
     _admit_at: tuple[tuple, list] = ((), [])  # (key, [fails, (regime, probe price) or None]): Retirement.admit
     # the last choice's step (its requests, budgets left, drafting blocks, whether its probe is dear: None until
-    # priced) and its blocks observed past the rare count so far: Retirement._rare_together
+    # priced) and its blocks observed past the rare count so far: RareBlocks._rare_together
     _judged: tuple[list[int], list[int], int, bool | None] = ([], [], 0, None)
     _rare_seen: int = 0
     rare_together: list[int] = field(default_factory=lambda: [0, 0])  # rare blocks judged together, surprising

@@ -60,7 +60,7 @@ class Dormancy:
     # by kind of batch, as calm: dormancy was entered (a new request admitted retired or as its probe) since the
     # last surprise; the entry's condition (Retirement._awake_is_cheap) is not asked again until one
     entered: list[bool] = field(default_factory=lambda: [False, False])
-    # large batches where a probe step is dear: a lone block past the rare count, in doubt (Retirement._doubt):
+    # large batches where a probe step is dear: a lone block past the rare count, in doubt (RareBlocks._doubt):
     # [blocks judged since it opened, itself included; those past the rare count]. Not dormant there while open
     doubt: list[int] | None = None
     doubts: list[int] = field(default_factory=lambda: [0, 0])  # doubts opened, confirmed as surprises (stats)

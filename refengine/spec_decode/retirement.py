@@ -13,55 +13,32 @@ up; without the population's test, requests with poor blocks of their own retire
 would win. Which requests, and the probe sample that goes with it: refengine/spec_decode/probe_sample.py.
 In a batch of PROBE_SAMPLE or more (nineteenth session, docs/PERF.md runs 88-94): with no position known to
 fail, a block is a surprise only past a count its kind of block rarely reaches (_surprising); where a probe step
-is dear, only once its step has as many such blocks as that many drafting blocks rarely give (_rare_together);
+is dear, only once its step has as many such blocks as that many drafting blocks rarely give (rare_blocks.py);
 and in a plain regime a request that drafted retires whatever its own table and pending follow-up probes
 (_retire).
 """
 
 from __future__ import annotations
 
-import functools
-
 from refengine.spec_decode.acceptance_estimate import SHORT_PROBE_EVIDENCE, SHORT_PROBE_RATE, table_from_rates
 from refengine.spec_decode.dormancy import DORMANT_PRICE
-from refengine.spec_decode.exploration import THIN_EVIDENCE, Exploration
+from refengine.spec_decode.exploration import THIN_EVIDENCE
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
+from refengine.spec_decode.rare_blocks import SURPRISE_ODDS, RareBlocks
 from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
-SURPRISE_ODDS = 0.05  # large batches, nothing known to fail: a block is a surprise past counts this rare
-DOUBT_BLOCKS = 5  # a lone rare block's doubt (dear probes, large batches): it and the next 4 blocks settle it
 
 
-@functools.lru_cache(maxsize=256)
-def rare_in_many(k: int, odds: float = SURPRISE_ODDS) -> int:
-    """The fewest c >= 1 such that c or more of k blocks, each past a count reached in `odds` of blocks, come in
-    at most `odds` of steps: P(Binomial(k, odds) >= c) <= odds (1 for k <= 1: a lone block is judged alone)."""
-    pmf, tail = (1.0 - odds) ** k, 1.0  # P(X = c - 1), P(X >= c) for c = 1
-    for c in range(1, k + 1):  # (at c = k the tail is odds ** k: the loop always returns for k >= 1)
-        tail -= pmf  # P(X >= c)
-        if tail <= odds:
-            return c
-        pmf *= (k - c + 1) / c * odds / (1.0 - odds)
-    return 1  # k = 0: no blocks to judge together
-
-
-class Retirement(Exploration):
+class Retirement(RareBlocks):
     """Overrides Exploration's _plain_regime and _surprise (the probe sample and probing read them)."""
 
-    # what AdaptivePolicy provides, besides Exploration's
+    # what AdaptivePolicy provides, besides Exploration's and RareBlocks'
     last: Decision | None
     _tables: tuple[tuple, list[Table]] | None
     _spec_at: int
-    _surprise_at: tuple[int, int, tuple[int, int] | None, bool]
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
     _admit_at: tuple[tuple, list]
-    elapsed_s: float
-    _judged: tuple[list[int], list[int], int, bool | None]
-    _rare_seen: int
-    rare_together: list[int]
-    budgets: dict[int, int]
-    _catch_up_rows: int
     _retiring: int | None
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
@@ -136,31 +113,18 @@ class Retirement(Exploration):
         self.sample.retire(req_id, f"dormant / batch {batch}", at_admission=True)
         return True
 
-    def _probe_step_s(self, batch: int, plain: float, prompt_rows: int) -> float:
-        """The predicted cost of a step of `batch` requests that probes one of them (its prompt's `prompt_rows`
-        caught up) over a plain step's (`plain`: P(n) + H_plain(n), _find_plain_regime)."""
-        span = min(self.estimates.failing_span(), self.block_size)  # a first-step probe's (exploration.py)
-        probe = self.cost.draft_s(1, span) + self.cost.verify_s(batch, self.rows(batch, batch - 1 + span)) - plain
-        return probe + self.cost.host_s("verify", batch) + self.cost.catch_up_s(prompt_rows)
-
     def _awake_is_cheap(self, probe_s: float, arriving_s: float, fails: bool) -> bool:
         """Stay awake (no dormant admission) where nothing is known to fail, in first or later blocks, and a
         probe step costs under DORMANT_PRICE of the plain time of the work arriving with it (`arriving_s`: the
         requests admitted in the same prefill). There a surprise is only a block past the workload's odds
         (_surprising), and a dormant policy sees a turn only through the probes DORMANT_SHARE of its work pays
-        for: in simulation (tests/unit/test_dormancy.py), a c8 / c32 wave workload going from geometric 0.25
-        to 0.85 after 20 waves ran 0.33-1.07 / 0.50-0.99 of the better mode in the waves after the turn over six
-        random paths (dormant on 2 / 6 of them: those read 0.33 and 0.65 at c8), and 0.80-1.07 / 0.96-1.02 with
-        this rule (test_surprise.py's turn test runs one path, a lucky one). Awake, a wave pays its probe step
-        (under DORMANT_PRICE of its work; ~0.4% at Qwen3-4B shapes) and its prefill's taps: the poor phase before
-        the turn ran 0.988-0.993 of plain at c32 against 0.990-0.996 dormant. The trained tiny pair's probe step is
-        1.3-2.3% of its waves' work (its plain steps are 0.46-0.62 ms): dormant as before. Arrivals one at a time
-        (a probe's step against one request's work), or where position 1 or a later one is known to fail (a
-        turn then surprises by the position rule), dormancy is unchanged. A failing position counts here on half
-        the evidence failing_span asks, and the rule is asked until dormancy is entered, not after (until a
-        surprise): the bench's tau 1.3 profile (position 2 never accepted) holds position 2's evidence near
-        SHORT_PROBE_EVIDENCE, tested only when position 1 accepts, and with failing_span's test the rule woke its
-        c32 cell for most waves on the H200 (32 of 256 requests admitted retired, run 142: 0.990 of plain)."""
+        for: in simulation (tests/unit/test_dormancy.py) a c8 / c32 wave workload turning from geometric 0.25 to
+        0.85 ran 0.33-1.07 / 0.50-0.99 of the better mode after the turn dormant, 0.80-1.07 / 0.96-1.02 with this
+        rule, at ~0.4% a wave (Qwen3-4B shapes; the trained tiny pair's probe step is 1.3-2.3% of its waves' work:
+        dormant as before). Arrivals one at a time, or where a position is known to fail (a turn then surprises by
+        the position rule), dormancy is unchanged. A failing position counts here on half the evidence
+        failing_span asks, and the rule is asked until dormancy is entered, not after (until a surprise): with
+        failing_span's test the bench's tau 1.3 profile woke its c32 cell for most waves (H200 run 142)."""
         if fails or self.estimates.fails_somewhere(SHORT_PROBE_EVIDENCE / 2):
             return False
         return probe_s < DORMANT_PRICE * arriving_s
@@ -181,7 +145,8 @@ class Retirement(Exploration):
         block for RETIRE_AFTER decisions, position 1 not known to fail in first blocks (while it is, only the
         position-1 rule, on ample evidence: a workload turning good is seen by its sample, and a probe failing
         in it must not retire), later blocks tested on some evidence (the trained tiny pair's first blocks fail
-        and its later ones accept), and a uniform batch of the later blocks' population losing to plain."""
+        and its later ones accept), and a uniform batch of the later blocks' population losing to plain (its
+        speculating step priced with the host's time in large batches: CostModel.host_s, H200 run 152)."""
         key = (self.steps, self._version, n, fails)  # (a decision asks twice: its probe sample, its retirements)
         if self._regime_at[0] != key:
             self._regime_at = (key, self._find_plain_regime(n, fails))
@@ -193,8 +158,8 @@ class Retirement(Exploration):
             return None
         if est.later_tested[0] < THIN_EVIDENCE:
             return None
-        # a large batch's regime prices a speculating step's host time too (CostModel.host_s: run 152); at c1 the
-        # sharegpt profile's requests retired sooner with it (1.577 -> 1.552 of plain in simulation)
+        # a large batch's regime prices a speculating step's host time too (CostModel.host_s: run 152); small
+        # batches keep the runner's times (there a thinner margin held choices plain: twenty-fourth session)
         spec = uniform_spec_costs(n, self.block_size, self.cost, self.rows, regime=n >= PROBE_SAMPLE)
         costs = (self.cost.plain_step_s(n), spec)
         if not plain_wins_uniformly(table_from_rates(est.population_rates()), n, *costs):
@@ -222,14 +187,11 @@ class Retirement(Exploration):
         as many drafts as blocks of its kind reach in under SURPRISE_ODDS of cases (unlikely_count).
 
         Why the odds there: with nothing known to fail, _surprise() is 1, and a drafter that accepts some of the
-        time accepts something in every other block. The trained tiny pair at c8-c32 on the H200 never began a
-        plain regime although plain won every decision there (cap 1 in all 762 at c16 and c32): none of its
-        requests retired, every new request was probed, each wrote tap features every step, and adaptive ran
-        0.87 / 0.87 / 0.90 of plain at c8 / c16 / c32 (nineteenth session, run 88). Dropping surprises there
-        instead lost turns: in simulation a c8 workload going from geometric 0.25 to 0.85 ran 0.86 of the
-        better mode after it (1.05 with surprises), at c32 0.77 (1.04), as the retired requests fed the
-        population nothing. Small batches keep the rule: at c1 a lone request's block is all there is. Judged,
-        as _surprise(), by what was known at the last decision (its batch size included)."""
+        time accepts something in every other block: the trained tiny pair at c8-c32 on the H200 never began a
+        plain regime although plain won every decision there, and adaptive ran 0.87-0.90 of plain (run 88).
+        Dropping surprises there instead lost turns (simulation: a c8 workload going from geometric 0.25 to 0.85
+        ran 0.86 of the better mode after it, 1.05 with surprises). Small batches keep the rule: at c1 a lone
+        request's block is all there is. Judged, as _surprise(), by what was known at the last decision."""
         if by_kind is None:
             by_kind = self._surprising_by_kind(accepted, first)
         return by_kind[self._surprise_at[3]]  # by the rule of the last decision's kind of batch
@@ -245,71 +207,6 @@ class Retirement(Exploration):
         rare = self._surprise_at[2]
         small = accepted >= least
         return small, small and (rare is None or accepted >= rare[0 if first else 1])
-
-    def _judge_together(self, req_ids: list[int], spans: list[int], remaining: list[int]) -> None:
-        """The choice's step, whose observed blocks _rare_together judges: its requests, budgets left and drafting
-        blocks (any kind: each is past its own kind's rare count in at most SURPRISE_ODDS of blocks, so the
-        bound holds for the mix); whether its probe is dear is priced at its first rare block (most steps have
-        none: no cost a step)."""
-        self._judged = (req_ids, remaining, len(spans) - spans.count(1), None)
-        self._rare_seen = 0
-
-    def _rare_together(self, by_kind: tuple[bool, bool]) -> tuple[bool, bool]:
-        """An observed block's verdicts (_surprising_by_kind's) with large batches' odds rule applied to blocks
-        together where a probe step is dear beside the batch's whole work (the price rule's test, on the
-        requests' budgets as admitted: a verdict that holds through a wave). A block past the rare count then
-        surprises once its step has as many as k such blocks reach in under SURPRISE_ODDS of steps (rare_in_many,
-        k the step's drafting blocks); a lone one (k = 1: a dormant policy's probe, an awake c8 wave's sampled
-        one) opens a doubt instead, settled by the blocks after it (_doubt). With every request of a c32 wave
-        probed, a count reached in 3% of first blocks came once a wave, each a surprise holding off the plain
-        regime for a wave (H200 run 136). Where the probe is cheap each block is judged alone: false alarms cost
-        little there and find turns sooner."""
-        if self._surprise_at[2] is None:  # no odds rule: a failing position's rule, alone
-            return by_kind
-        rare, doubt = by_kind[1], self.dormancy.doubt
-        req_ids, remaining, k, dear = self._judged
-        if not (rare or doubt) or len(req_ids) < PROBE_SAMPLE:
-            return by_kind
-        self._rare_seen += rare
-        if dear is None:  # priced once a step, at its first rare block (or first block in doubt)
-            n, budgets = len(req_ids), self.budgets
-            plain = self.cost.plain_step_s(n)
-            work = sum(budgets.get(r, left) for r, left in zip(req_ids, remaining)) * plain / n
-            dear = self._probe_step_s(n, plain, self._catch_up_rows // max(k, 1)) >= DORMANT_PRICE * work
-            self._judged = (req_ids, remaining, k, dear)
-        surprising = rare
-        if dear and rare and k > 1:
-            surprising = self._rare_seen >= rare_in_many(k)
-            self.rare_together[0] += 1
-            self.rare_together[1] += surprising
-        elif dear and rare and doubt is None:
-            self.dormancy.doubt = [0, 0]  # this block opens it (counted below)
-            surprising = False
-        if self.dormancy.doubt is not None:
-            surprising = self._doubt(rare) or surprising
-        return by_kind[0], surprising
-
-    def _doubt(self, rare: bool) -> bool:
-        """A block judged while a lone rare block's doubt is open (itself the first): True when the doubt's blocks
-        hold as many past the rare count as that many blocks reach in under SURPRISE_ODDS (rare_in_many: the
-        lone block and one more in its next DOUBT_BLOCKS - 1), a surprise; it closes then, or after DOUBT_BLOCKS
-        with no surprise (a false alarm: dormancy resumes where it was). Judged alone, each lone rare block was a
-        surprise: at the trained tiny pair's c8 on the H200 a dormant policy's probe past the rare count (1 in 20
-        of them by the count's definition) kept the cell awake ~25 waves to rebuild DORMANT_AFTER calm blocks at
-        one probe a wave (run 150: a process whose c8 cell ran 0.960 of plain, awake throughout)."""
-        doubt = self.dormancy.doubt
-        assert doubt is not None
-        doubt[0] += 1
-        doubt[1] += rare
-        confirmed = doubt[1] >= rare_in_many(doubt[0])
-        if doubt[0] == 1:  # the lone block itself opened it: judged by the blocks after it
-            self.dormancy.doubts[0] += 1
-            return False
-        if confirmed:
-            self.dormancy.doubts[1] += 1
-        if confirmed or doubt[0] >= DOUBT_BLOCKS:
-            self.dormancy.doubt = None
-        return confirmed
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at

@@ -197,11 +197,14 @@ class CostModel:
         """H_kind(n) (HOST_KINDS) as the choice prices it: 0 unless `price_host`, and until a step of that kind
         was observed. Off by default: on the H200, paired round by round, pricing it gained nothing beyond noise
         and once fell into the small-batch trap (a choice held plain on an estimate's dip): docs/PERF.md,
-        twenty-fourth session. `regime`: as the plain-regime test prices a uniform batch's speculating step
-        (Retirement._find_plain_regime), with H_verify whenever measured (CostSamples times every verify step):
-        a test that retires requests is not held plain by a dip, and without it the trained tiny pair's c8
-        waves on the H200 (verify steps ~2 ms against 0.5 ms plain ones, ~0.5 ms of it host) read speculation
-        as winning on stale rates, each new batch size's first waves woke the dormant policy (run 152)."""
+        twenty-fourth session; priced in the choice in large batches only, it held half of the sharegpt
+        profile's c32 steps plain while awake (0.963 of plain against 1.047: H200 runs 155-156). `regime`: as a
+        large batch's plain-regime test prices a uniform batch's speculating step (Retirement._find_plain_regime),
+        with H_verify whenever measured (CostSamples times every verify step from its choice): without it the
+        trained tiny pair's c8 waves on the H200 (verify steps 2-3 ms against 0.5 ms plain ones, 0.2-0.8 ms of
+        it host) read speculation as winning on stale rates, and each new batch size's first waves woke a
+        dormant policy (run 152). Not H_plain: a timed plain step is one whose spans were chosen, dearer than
+        the plain stretch's steps the alternative would run (priced, it read 0.23 + 0.007 n ms: run 154)."""
         if self.price_host or (regime and kind == "verify"):
             return self._host_fit_s(kind, n)
         return 0.0

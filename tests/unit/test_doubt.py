@@ -1,4 +1,4 @@
-"""A lone rare block's doubt (Retirement._doubt, refengine/spec_decode/retirement.py): in a large batch where a
+"""A lone rare block's doubt (RareBlocks._doubt, refengine/spec_decode/rare_blocks.py): in a large batch where a
 probe step is dear, a block past the rare count drafted alone in its step (a dormant policy's probe, an awake
 c8 wave's sampled one) is not a surprise by itself, as 1 in 20 blocks is one by the count's definition; it opens
 a doubt that keeps the policy awake (its new requests probed) until the blocks after it settle it: one more rare
@@ -15,7 +15,7 @@ from __future__ import annotations
 from refengine.spec_decode.dormancy import DORMANT_AFTER
 from refengine.spec_decode.exploration import PROBE_HOLD
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
-from refengine.spec_decode.retirement import DOUBT_BLOCKS, SURPRISE_ODDS
+from refengine.spec_decode.rare_blocks import DOUBT_BLOCKS, SURPRISE_ODDS
 from refengine.spec_decode.step_costs import CostModel
 from tests.unit.test_adaptive import _simulate_phases
 from tests.unit.test_rare_together import _dear_probe_costs

@@ -1,5 +1,5 @@
-"""A large batch's rare blocks judged together where a probe step is dear (Retirement._rare_together,
-refengine/spec_decode/retirement.py): with every request of a c32 wave probed, one first block past the count
+"""A large batch's rare blocks judged together where a probe step is dear (RareBlocks._rare_together,
+refengine/spec_decode/rare_blocks.py): with every request of a c32 wave probed, one first block past the count
 blocks of its kind reach in under SURPRISE_ODDS of cases is what 32 blocks give most steps, not a surprise; it
 takes rare_in_many(32) of them. Each such surprise held off the plain regime for a wave, so a wave of new
 requests was probed again, and one prompt's first block surprised again (the H200's trained tiny pair, run 136:
@@ -18,7 +18,7 @@ import pytest
 
 from refengine.errors import IntegrityError
 from refengine.request import SamplingParams
-from refengine.spec_decode.retirement import SURPRISE_ODDS, rare_in_many
+from refengine.spec_decode.rare_blocks import SURPRISE_ODDS, rare_in_many
 from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import cpu_engine
 from tests.unit.test_adaptive import _simulate_phases

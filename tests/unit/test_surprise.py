@@ -17,7 +17,7 @@ import random
 from refengine.spec_decode.acceptance_estimate import AcceptanceEstimates
 from refengine.spec_decode.adaptive import RETIRE_AFTER, AdaptivePolicy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
-from refengine.spec_decode.retirement import SURPRISE_ODDS
+from refengine.spec_decode.rare_blocks import SURPRISE_ODDS
 from refengine.spec_decode.span_choice import plain_wins_uniformly, uniform_spec_costs
 from refengine.spec_decode.step_costs import CostModel
 from tests.unit.test_adaptive import _simulate_phases
