@@ -204,7 +204,7 @@ class CostModel:
         trained tiny pair's c8 waves on the H200 (verify steps 2-3 ms against 0.5 ms plain ones, 0.2-0.8 ms of
         it host) read speculation as winning on stale rates, and each new batch size's first waves woke a
         dormant policy (run 152). Not H_plain: a timed plain step is one whose spans were chosen, dearer than
-        the plain stretch's steps the alternative would run (priced, it read 0.23 + 0.007 n ms: run 154)."""
+        the plain stretch's steps the alternative would run (priced, it read 0.23 + 0.007 n ms: run 154b)."""
         if self.price_host or (regime and kind == "verify"):
             return self._host_fit_s(kind, n)
         return 0.0
