@@ -284,6 +284,7 @@ def _simulate_phases(
     host_priced: bool = False,
     draft_row_s: float = 0.0,
     prepared: bool = False,
+    poor_every: int = 0,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -310,7 +311,8 @@ def _simulate_phases(
     B: runner/graphs.py), so a draft whose spans are all short costs (B - cap) x that less a request, and the
     policy's tables know each cap (as Engine.capture_graphs times them). `prepared`: each speculating step
     prepares the next choice before its blocks are observed, as the engine does while the step's graph runs
-    (AdaptivePolicy.prepare)."""
+    (AdaptivePolicy.prepare). `poor_every`: with `switch`, every such request (by id) never switches (the trained
+    tiny pair's one prompt in four whose blocks stay at 0-2: a wave waits for it)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -384,7 +386,7 @@ def _simulate_phases(
                 pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up, widest=max(spans))
             for r, s in zip(live, spans):
                 p = p_first if p_first is not None and s > 1 and r not in drafted_once else p_accept
-                if switch is not None and tokens - left[r] >= switch[0]:
+                if switch is not None and tokens - left[r] >= switch[0] and not (poor_every and r % poor_every == 0):
                     p = switch[1]
                 if s > 1:
                     drafted_once.add(r)

@@ -7,7 +7,8 @@ and later ones good must still be probed on at c1: tests/unit/test_adaptive.py's
 test_poor_first_blocks_do_not_lock_adaptive_into_plain); where position 1 fails everywhere it does. In
 simulation with what each look costs on the H200, a settled tau-1 workload runs within 0.6% of plain. Where
 nothing is known to fail and a wave's probe step is cheap beside its work, the policy stays awake
-(Retirement._awake_is_cheap): a turn after a long poor stretch is then found on every random path.
+(Retirement._awake_is_cheap): a turn after a long poor stretch is then found on every random path. A block
+drafted in a small batch leaves the large batches' calm alone (the bench's c1 cell before its c8 one).
 
 Run: python -m pytest tests/unit/test_dormancy.py -q
 """
@@ -22,6 +23,7 @@ from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.dormancy import DORMANT_AFTER, DORMANT_PRICE, DORMANT_SHARE, Dormancy
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.retirement import RETIRE_AFTER
+from refengine.spec_decode.step_costs import CostModel
 from tests.unit.test_adaptive import _later_blocks_fail_too, _policy_with_failing_first_blocks, _simulate_phases
 from tests.unit.test_surprise import B, _geometric_workload
 
@@ -157,6 +159,35 @@ def test_a_block_ordinary_in_large_batches_keeps_their_calm():
     got = f"adaptive {adaptive[-1]:.1f}, plain {plain[-1]:.1f} tok/s ({ratio:.4f})"
     assert ratio >= 0.996, f"c8 after c1: {got}, {dormant}"
     assert dormant["admitted"] >= 7 * 8 - 8, f"the c8 cell was not dormant: {dormant}"
+
+
+TINY_COSTS = CostModel.linear(0.55e-3, 1e-5, 5e-7, 0.7e-3, 1e-4, p0=0.62e-3, p1=1e-5)  # a plain step ~0.6 ms
+TINY_LOOKS = dict(seeded=True, prefill_taps_s=0.54e-3, taps_s=6e-6, catch_up_fixed_s=0.5e-3, catch_up_row_s=0.5e-6)
+
+
+def test_a_small_batchs_blocks_leave_the_large_batches_calm():
+    # the trained tiny pair's bench with c1 first (H200 run 154: c8 0.887 of plain, awake): at c1 its generations
+    # turn good (text loops) and blocks accept up to 15, past large batches' rare count. Those blocks reset the
+    # large calm, and the c8 cell after it ran awake. Simulated (tiny costs, every request's drafts accepted at
+    # 0.35 (0.3 in its first block) until its 24th token, then 0.95, except one request in four, which stays
+    # poor: a c8 wave waits for it and fixed spans run 0.55 of plain), c8 / c16 after c1 read 0.943 / 0.985 of
+    # plain with the reset, 0.960 / 0.996 without (paths 1-4); at c8 the c1 cell's rates still wake the cell
+    # (no plain regime at c8 on them)
+    kw = dict(p_first=0.3, switch=(24, 0.95), poor_every=4, true=TINY_COSTS, **TINY_LOOKS)
+    phases = [(32, 0.35, 30, 128), (1, 0.35, 8, 128), (8, 0.35, 8, 128), (16, 0.35, 8, 128)]
+    for seed in (1, 2):
+        policies: list[AdaptivePolicy] = []
+        adaptive = _simulate_phases("adaptive", phases, policies=policies, seed=seed, **kw)
+        plain = _simulate_phases("plain", phases, seed=seed, **kw)
+        c16 = adaptive[3] / plain[3]
+        dormant = policies[0].summary()["dormant"]
+        assert c16 >= 0.99, f"path {seed}: c16 after c1 and c8 {c16:.3f} of plain, {dormant}"
+    large_calm = []
+    for phase in ([phases[0]], phases[:2]):  # the large calm after the c32 settle, then after the c1 cell
+        policies = []
+        _simulate_phases("adaptive", phase, policies=policies, seed=1, **kw)
+        large_calm.append(policies[0].dormancy.calm[1])
+    assert large_calm[0] >= DORMANT_AFTER and large_calm[1] >= large_calm[0], f"large calm {large_calm}"
 
 
 def test_each_kind_of_batch_loses_its_calm_by_its_own_rule():
