@@ -308,8 +308,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
             self.dormancy.observe_first_block(req_id, calm_of, self._retiring)
         if surprising:
             self._spec_at = self.steps
-        # a block drafted in a small batch leaves the large batches' calm alone (Dormancy.surprise)
-        self.dormancy.surprise(by_kind[0], by_kind[1] and self._surprise_at[3])
+        self.dormancy.surprise(*by_kind)
         self.estimates.observe(req_id, span, accepted, first)
         self._version += 1
         self.drafted[req_id] = (self.drafted.get(req_id, (0, 0))[0] + 1, accepted)

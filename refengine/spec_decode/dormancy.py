@@ -88,11 +88,12 @@ class Dormancy:
     def surprise(self, small: bool, large: bool) -> None:
         """A block (first or later) judged by each kind of batch's rule (Retirement._surprising_by_kind): a kind
         it surprises is not dormant until DORMANT_AFTER calm first blocks again. A block surprising in large
-        batches surprises small ones too (their rule is the stricter); the caller asks the large rule only of
-        blocks drafted in a large batch. A c1 cell's blocks speculating well reset the large calm, and the
-        c8 cell after it ran awake: in simulation (tiny costs, 1 request in 4 never turning good, the bench's
-        order with c1 first) c8 / c16 read 0.943 / 0.985 of plain, 0.960 / 0.996 without that reset; on the H200
-        such a c8 cell read 0.887 (run 154). A large batch's turn is seen by its own probes, as when dormant."""
+        batches surprises small ones too (their rule is the stricter); a block drafted in a small batch is not
+        judged by the large rule (Retirement._surprising_by_kind). A c1 cell's blocks speculating well reset the
+        large calm, and the c8 cell after it ran awake: in simulation (tiny costs, 1 request in 4 never turning
+        good, the bench's order with c1 first) c8 / c16 read 0.943 / 0.985 of plain, 0.960 / 0.996 without that
+        reset; on the H200 such a c8 cell read 0.887 (run 154). A large batch's turn is seen by its own probes,
+        as when dormant, and through the population's rates."""
         if small:
             self.calm[0] = 0
             self.credit_s = 0.0

@@ -89,7 +89,7 @@ class Retirement(RareBlocks):
         self.budgets[req_id] = max_tokens  # (_rare_together prices a probe against its batch's whole work)
         # a prefill's requests see one state (no step, observation or cost sample between them): its tests and
         # its probe's price once a prefill, where per request they were ~60% of a dormant c32 prefill's admission
-        key = (self.steps, self._version, self.estimates.observations, self.elapsed_s, batch)
+        key = (self.steps, self._version, self.elapsed_s, batch)  # (_version: every acceptance observed)
         if self._admit_at[0] != key:
             self._admit_at = (key, [self._position_one_fails(), None])
         memo, dormancy = self._admit_at[1], self.dormancy
@@ -202,11 +202,12 @@ class Retirement(RareBlocks):
         loses each by its own rule: a first block at c1 accepting position 1 (a surprise there while position 2
         is not yet known to fail) is an ordinary block at c8-c32, where the bench's tau 1.3 profile (position 1
         in 30% of blocks) had 18 calm first blocks reset by one such block at c1, and the c8 cell then probed
-        every wave (simulation, docs/PERF.md twenty-first session)."""
+        every wave (simulation, docs/PERF.md twenty-first session). A block drafted in a small batch is judged by
+        the small rule only: the large calm is not its to reset (Dormancy.surprise)."""
         least = self._surprise()
-        rare = self._surprise_at[2]
+        _, _, rare, large_batch = self._surprise_at
         small = accepted >= least
-        return small, small and (rare is None or accepted >= rare[0 if first else 1])
+        return small, small and large_batch and (rare is None or accepted >= rare[0 if first else 1])
 
     def _surprise(self) -> int:
         """Accepted drafts that make a block a surprise: the first position known to fail, else 1. As known at

@@ -22,11 +22,11 @@ import pytest
 from refengine import SamplingParams
 from refengine.plan import DecodePlan, VerifyPlan
 from refengine.spec_decode import cost_samples
-from refengine.spec_decode.acceptance_estimate import geometric_table
+from refengine.spec_decode.acceptance_estimate import geometric_table, table_from_rates
 from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.cost_samples import BUSY, TIMINGS, CostSamples
 from refengine.spec_decode.retirement import RETIRE_AFTER
-from refengine.spec_decode.span_choice import choose_spans, uniform_spec_costs
+from refengine.spec_decode.span_choice import choose_spans, plain_wins_uniformly, uniform_spec_costs
 from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import cpu_engine
 
@@ -108,7 +108,7 @@ def test_the_choice_prices_host_time_only_when_asked():
 
 
 # accepted drafts of 16 blocks, first and later alike: position 1 accepted in half, each next one in half of those
-# reaching it (then the 15): E(16) ~ 2.6 tokens a full block
+# reaching it (then the 15): E(16) ~ 3.1 tokens a full block (the population's rates, shrunk)
 HALVING_BLOCKS = [0] * 8 + [1] * 4 + [2] * 2 + [3, 15]
 
 
@@ -131,8 +131,9 @@ def _regime_policy(host_ms: float | None) -> AdaptivePolicy:
 def test_a_large_batchs_plain_regime_prices_a_speculating_steps_host_time():
     # on the runner's times alone a uniform c8 batch drafting full blocks wins (E(16) ~ 3.1 tokens against a step
     # ~2.8 plain ones): no plain regime, so a dormant policy's new c8 requests are admitted awake; with 0.5 ms of
-    # host a verify step (the H200's tiny pair measured 0.2-0.8 ms, run 152) plain wins and the regime holds. At c1
-    # the regime test does not price it (the simulated sharegpt c1 cell retired its requests sooner with it).
+    # host a verify step (the H200's tiny pair measured 0.2-0.8 ms, run 152) plain wins and the regime holds. Small
+    # batches' regime does not price it (there a thinner margin held choices plain: twenty-fourth session): at c1,
+    # 2 ms of host a verify step would make plain win, and there is no regime.
     without, priced = _regime_policy(None), _regime_policy(0.5)
     for pol in (without, priced):
         assert not pol.cost.price_host and pol.cost.host_s("verify", 8) == 0.0, "the choice never prices it"
@@ -142,4 +143,8 @@ def test_a_large_batchs_plain_regime_prices_a_speculating_steps_host_time():
     assert got is not None, f"H_verify(8) {h * 1e3:.2f} ms priced: a plain regime at c8"
     spec_s = uniform_spec_costs(8, B, priced.cost, priced.rows)[B]
     assert abs(got[1][B] - spec_s - h) < 1e-12, f"the regime's c8 full-block step {got[1][B]}: {spec_s} + {h}"
-    assert priced._find_plain_regime(1, False) is None, "c1: the regime test prices no host time"
+    dear = _regime_policy(2.0)
+    c1_priced = uniform_spec_costs(1, B, dear.cost, dear.rows, regime=True)
+    table = table_from_rates(dear.estimates.population_rates())
+    assert plain_wins_uniformly(table, 1, dear.cost.plain_step_s(1), c1_priced), "c1 priced: plain would win"
+    assert dear._find_plain_regime(1, False) is None, "c1: the regime test prices no host time"
