@@ -159,7 +159,7 @@ class Scheduler(StepCommit):
         if self.proposer is not None:
             self.proposer.release(req.request_id)
         if self.policy is not None:
-            self.policy.release(req.request_id)
+            self.policy.release(req.request_id, len(req.output_ids))
         if self.acceptance_override is not None:
             self.acceptance_override.release(req.request_id)
 

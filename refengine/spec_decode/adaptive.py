@@ -32,6 +32,10 @@ Model (all online, with priors):
   now and then (re-probes: a generation's acceptance can turn good midway); once speculation has settled
   into not paying, new requests are admitted retired, but for the probes the admitted work pays for
   (refengine/spec_decode/dormancy.py: admit).
+- the wave guard (refengine/spec_decode/wave_guard.py): a closed batch (a wave) in which the search chose to
+  speculate is judged at its end against plain decode by the same cost model; after losses in a row, closed
+  batches of that size and larger are admitted retired for a while (the choice prices tokens a second, and a
+  wave waits for its slowest request).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.shadow_probe import ShadowChoice
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, real_rows
 from refengine.spec_decode.step_costs import CostModel
+from refengine.spec_decode.wave_guard import WaveGuard, modelled_step_s
 
 
 @dataclass
@@ -83,6 +88,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
     probe_regret_s: float = 0.0  # predicted time the first-step probes cost (outside the exploration budget)
     sample: ProbeSample = field(default_factory=ProbeSample)  # the probe sample and retirements
     dormancy: Dormancy = field(default_factory=Dormancy)  # new requests admitted retired (dormancy.py)
+    guard: WaveGuard = field(init=False, repr=False)  # closed batches judged against plain decode (wave_guard.py)
     _retiring: int | None = None  # the last full decision's batch, when in a retirement regime (dormancy's calm)
     _next_explore: int = MIN_EXPLORE
     explored: int = 0
@@ -115,6 +121,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
 
     def __post_init__(self) -> None:
         self.estimates = AcceptanceEstimates(self.block_size)
+        self.guard = WaveGuard(lambda n: self.cost.bucket(n))
         self.bind_shapes(self.rows, None)
 
     def bind_shapes(
@@ -166,7 +173,14 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
             self._retire(req_ids, spans)
         self._catch_up_rows = self._pending_rows(req_ids, spans) if max(spans) > 1 else 0
         self._judge_together(req_ids, spans, remaining)
+        if self.guard.tracking:  # (whether the search itself chose to speculate: looks alone are not judged)
+            searched = self.last is not None and not self._reused and self.last.cap > 1
+            step_s = modelled_step_s(self.cost, self.rows, spans, remaining, self._catch_up_rows)
+            self.guard.step(req_ids, remaining, step_s, searched)
         return spans
+
+    def _plain_modelled_s(self, n: int) -> float:
+        return modelled_step_s(self.cost, self.rows, [1] * n, [], 0)
 
     @property
     def retired(self) -> set[int]:
@@ -192,7 +206,11 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         step as choose would, when its plain decision holds (nothing learnt, no exploration due: _holds);
         False: call choose."""
         key = self._cache_key
-        return key is not None and self._reuse((self._version, key[1], self._budget_key(min_remaining)))
+        if key is None or not self._reuse((self._version, key[1], self._budget_key(min_remaining))):
+            return False
+        if self.guard.tracking:
+            self.guard.reuse(self._plain_modelled_s(len(key[1])))
+        return True
 
     def _budget_key(self, min_remaining: int) -> int:
         return min(min_remaining, self.block_size)
@@ -315,9 +333,12 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         self._held_since.pop(req_id, None)  # it drafted: no first-step probe waits for it (a speculating choice's)
         self._drafted_at[req_id] = self.steps
 
-    def release(self, req_id: int) -> None:
+    def release(self, req_id: int, generated: int | None = None) -> None:
+        """A request left (finished, aborted, or its prefill rolled back); `generated`: the tokens it ended
+        with (None: its budget), for the wave guard's account of its batch."""
         self.in_flight.discard(req_id)
         self.budgets.pop(req_id, None)
+        self.guard.release(req_id, generated, len(self.budgets), self._plain_modelled_s)
         self.estimates.release(req_id)
         self.drafted.pop(req_id, None)
         self._drafted_at.pop(req_id, None)

@@ -44,6 +44,8 @@ def policy_summary(policy: AdaptivePolicy) -> dict:
                 "open": policy.dormancy.doubt is not None,
             },
         },
+        # closed batches judged against plain decode, lost, admitted retired; bucket -> batches still held
+        "wave_guard": policy.guard.summary(),
         # large batches' blocks past the rare count judged with their step's others (a dear probe: retirement.py's
         # _rare_together), and of those the ones that surprised
         "rare_blocks_judged_together": {"blocks": policy.rare_together[0], "surprising": policy.rare_together[1]},

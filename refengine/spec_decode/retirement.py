@@ -26,6 +26,7 @@ from refengine.spec_decode.exploration import THIN_EVIDENCE
 from refengine.spec_decode.probe_sample import PROBE_SAMPLE
 from refengine.spec_decode.rare_blocks import SURPRISE_ODDS, RareBlocks
 from refengine.spec_decode.span_choice import Decision, Table, plain_wins_uniformly, uniform_spec_costs
+from refengine.spec_decode.wave_guard import WaveGuard
 
 RETIRE_AFTER = 128  # decisions in a row to decode plainly before a request retires on its blocks' own evidence
 
@@ -40,6 +41,7 @@ class Retirement(RareBlocks):
     _regime_at: tuple[tuple, tuple[float, list[float]] | None]
     _admit_at: tuple[tuple, list]
     _retiring: int | None
+    guard: WaveGuard
 
     def _retire(self, req_ids: list[int], spans: list[int]) -> None:
         """Retire the requests the decision leaves at span 1 whose evidence is settled (probe_sample.py says
@@ -90,6 +92,10 @@ class Retirement(RareBlocks):
         # a prefill's requests see one state (no step, observation or cost sample between them): its tests and
         # its probe's price once a prefill, where per request they were ~60% of a dormant c32 prefill's admission
         key = (self.steps, self._version, self.elapsed_s, batch)  # (_version: every acceptance observed)
+        unseen = lambda: self._plain_regime(batch, self._position_one_fails()) is None  # noqa: E731
+        if self.guard.admit(req_id, max_tokens, batch, arriving, key, unseen):  # its size lost: wave_guard.py
+            self.sample.retire(req_id, f"wave guard / batch {batch}", at_admission=True)
+            return True
         if self._admit_at[0] != key:
             self._admit_at = (key, [self._position_one_fails(), None])
         memo, dormancy = self._admit_at[1], self.dormancy

@@ -213,6 +213,10 @@ class CostModel:
         """A plain decode step of n requests as the policy prices it: P(n) + H_plain(n)."""
         return self.plain_s(n) + self.host_s("plain", n)
 
+    def host_fit_s(self, kind: str, n: float) -> float:
+        """H_kind(n) as measured, priced or not (0 until a step of that kind was observed)."""
+        return self._host_fit_s(kind, n)
+
     def _host_fit_s(self, kind: str, n: float) -> float:
         fit = self.host[kind]
         return max(fit.predict([1.0, n]), 0.0) * 1e-3 if fit.updates else 0.0

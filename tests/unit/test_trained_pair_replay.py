@@ -2,7 +2,7 @@
 tables, the H200's measured step costs of this pair, the paired bench's order. Checks that the tables still
 describe the pair and the bench prompts, that the replay reproduces what the H200 measured (fixed full spans
 lose to plain in waves at c8-c32, adaptive holds plain there after the settle, and speculates at c1), and
-names the cell issue 12 still misses: c8 right after a c1 cell.
+the wave guard's effect on the cells after a c1 one is tests/unit/test_wave_guard.py's.
 
 Run: python -m pytest tests/unit/test_trained_pair_replay.py -q
 """
@@ -55,14 +55,3 @@ def test_replay_speculates_at_c1():
     rows = replay_bench([1])[1]
     adaptive, fixed = median([r[0] for r in rows]), median([r[2] for r in rows])
     assert adaptive >= 0.95 * fixed and adaptive > 2.5, f"c1: adaptive {adaptive:.3f}, fixed {fixed:.3f} of plain"
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12, open: after a c1 cell the c8 cell speculates on c1's rates and then probes every wave "
-    "(replay 0.857 of plain; H200 run 157 0.905, run 154 0.887; docs/PERF.md, thirty-second session)",
-)
-def test_c8_after_a_c1_cell_holds_plain():
-    rows = replay_bench([1, 8])[8]
-    adaptive = median([r[0] for r in rows])
-    assert adaptive >= 0.98, f"c8 after c1: adaptive {adaptive:.3f} of plain (rounds {_cell(rows)})"

@@ -9,7 +9,8 @@ drafted from), the H200's measured step costs of this pair (H200_COSTS) and the 
 settle, then each cell's 16-token warm-up and rounds), the adaptive policy runs its real code on the real
 pair's acceptance in ~2 s. It reproduced H200 runs 153 and 157 (docs/PERF.md, thirty-second session):
 c8 / c16 / c32 after the settle 1.000 / 1.000 / 1.000 of plain (H200 0.994 / 0.988 / 0.998), c1 3.00 (2.80),
-fixed full spans at c8 0.817 (0.76-0.87), and with c1 first c8 0.857 (0.905), c16 0.974 (0.978).
+fixed full spans at c8 0.817 (0.76-0.87), and with c1 first c8 0.857 (0.905), c16 0.974 (0.978), before the
+wave guard (refengine/spec_decode/wave_guard.py); with it 1.000 / 1.000 (H200 run 161: 0.991 / 0.991).
 
 Run the tests: python -m pytest tests/unit/test_trained_pair_replay.py -q
 Rewrite the tables (after the pair, the bench prompts or the drafter's forward change): as above (~30 s).
