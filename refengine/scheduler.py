@@ -145,12 +145,14 @@ class Scheduler(StepCommit):
         """The live (waiting or running) request with this id, or None."""
         return next((r for r in (*self.running, *self.waiting) if r.request_id == req_id), None)
 
-    def _drop(self, req: Request) -> None:
+    def _drop(self, req: Request, queues: bool = True) -> None:
         """Take a request out of the queues and free everything held for it (KV blocks, lifetime promise,
-        drafter context, staged features). Idempotent; the caller sets its finish reason."""
+        drafter context, staged features). Idempotent; the caller sets its finish reason. `queues` False: the
+        caller has taken it out of `running` itself (a step's finished requests at once: _retire_and_check)."""
         self.close_stretch()  # the batch changes: the stretch's steps go into its requests' stats first
-        self.waiting = deque(r for r in self.waiting if r is not req)
-        self.running = [r for r in self.running if r is not req]
+        if queues:
+            self.waiting = deque(r for r in self.waiting if r is not req)
+            self.running = [r for r in self.running if r is not req]
         self.pool.release(req.request_id)
         self.shadows.release(req.request_id)
         retired_at = self.retired_at.pop(req.request_id, None)

@@ -30,7 +30,7 @@ class StepRecovery:
     def active_proposer(self) -> Proposer:
         raise NotImplementedError
 
-    def _drop(self, req: Request) -> None:
+    def _drop(self, req: Request, queues: bool = True) -> None:
         raise NotImplementedError
 
     def rollback(self, plan: Plan, exc: BaseException, count: bool = True) -> None:
