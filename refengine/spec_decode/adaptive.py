@@ -55,7 +55,7 @@ from refengine.spec_decode.retirement import RETIRE_AFTER, Retirement
 from refengine.spec_decode.shadow_probe import ShadowChoice
 from refengine.spec_decode.span_choice import Decision, RowsFn, Table, real_rows
 from refengine.spec_decode.step_costs import CostModel
-from refengine.spec_decode.wave_guard import WaveGuard, modelled_step_s
+from refengine.spec_decode.wave_guard import WaveGuard, modelled_step_s, plain_modelled_s
 
 
 @dataclass
@@ -180,7 +180,7 @@ class AdaptivePolicy(Retirement, ShadowChoice, PreparedChoice):
         return spans
 
     def _plain_modelled_s(self, n: int) -> float:
-        return modelled_step_s(self.cost, self.rows, [1] * n, [], 0)
+        return plain_modelled_s(self.cost, n)
 
     @property
     def retired(self) -> set[int]:

@@ -206,7 +206,7 @@ class CostModel:
         dormant policy (run 152). Not H_plain: a timed plain step is one whose spans were chosen, dearer than
         the plain stretch's steps the alternative would run (priced, it read 0.23 + 0.007 n ms: run 154b)."""
         if self.price_host or (regime and kind == "verify"):
-            return self._host_fit_s(kind, n)
+            return self.host_fit_s(kind, n)
         return 0.0
 
     def plain_step_s(self, n: int) -> float:
@@ -215,16 +215,13 @@ class CostModel:
 
     def host_fit_s(self, kind: str, n: float) -> float:
         """H_kind(n) as measured, priced or not (0 until a step of that kind was observed)."""
-        return self._host_fit_s(kind, n)
-
-    def _host_fit_s(self, kind: str, n: float) -> float:
         fit = self.host[kind]
         return max(fit.predict([1.0, n]), 0.0) * 1e-3 if fit.updates else 0.0
 
     def observe_host(self, kind: str, n: float, seconds: float) -> None:
         """The mean host time of steps of a kind and their mean request count; capped at SPIKE x the estimate
         (a garbage-collector pause), once there is one."""
-        current = self._host_fit_s(kind, n)
+        current = self.host_fit_s(kind, n)
         if current > 0.0:
             seconds = min(seconds, SPIKE * current)
         self.host[kind].update([1.0, n], seconds * 1e3)

@@ -50,8 +50,7 @@ RATIOS_KEPT = 8
 
 @dataclass
 class _Batch:
-    size: int  # requests admitted (the engine was idle)
-    bucket: int
+    bucket: int  # the graph bucket of its size
     budgets: dict[int, int] = field(default_factory=dict)  # req -> max_tokens
     covered: dict[int, int] = field(default_factory=dict)  # req -> tokens its modelled steps account for
     generated: dict[int, int] = field(default_factory=dict)  # req -> tokens it ended with
@@ -73,8 +72,7 @@ class WaveGuard:
     judged: int = 0  # closed batches judged
     lost: int = 0  # of those, lost by more than GUARD_MARGIN
     held_batches: int = 0  # closed batches admitted retired by the guard
-    last_ratio: float | None = None  # the last judged batch's modelled time over plain's
-    ratios: list[float] = field(default_factory=list)  # the last RATIOS_KEPT judged batches' ratios (stats)
+    ratios: list[float] = field(default_factory=list)  # the last RATIOS_KEPT judged batches' modelled / plain
     _losing: int = 0  # judged batches lost in a row
     _batch: _Batch | None = None  # the closed batch running, if any
 
@@ -90,7 +88,7 @@ class WaveGuard:
             self._batch = None
             return False
         if b is None or b.prefill != prefill:  # the first of a new closed batch
-            b = self._batch = _Batch(batch, self.bucket_of(batch), prefill=prefill)
+            b = self._batch = _Batch(self.bucket_of(batch), prefill=prefill)
             if self.held_from is not None and b.bucket >= self.held_from and self.held_left > 0:
                 self.held_left -= 1
                 b.held = unseen()
@@ -142,8 +140,7 @@ class WaveGuard:
         tail = {r: max(b.generated[r] - done[r], 0) for r in b.generated}
         ratio = (b.modelled_s + _plain_time(tail, plain_s)) / max(_plain_time(steps, plain_s), 1e-12)
         self.judged += 1
-        self.last_ratio = ratio
-        self.ratios = (self.ratios + [round(ratio, 4)])[-RATIOS_KEPT:]
+        self.ratios = (self.ratios + [ratio])[-RATIOS_KEPT:]
         if ratio > 1.0 + GUARD_MARGIN:  # larger batches lose more: a speculating step's rows grow with them
             self.lost += 1
             self._losing += 1
@@ -158,6 +155,11 @@ class WaveGuard:
             if self.held_from is not None and b.bucket >= self.held_from:  # a re-test that did not lose
                 self.held_from, self.held_left, self.next_hold = None, 0, FIRST_HOLD
 
+    @property
+    def last_ratio(self) -> float | None:
+        """The last judged batch's modelled time over plain decode's."""
+        return self.ratios[-1] if self.ratios else None
+
     def summary(self) -> dict:
         return {
             "judged": self.judged,
@@ -166,7 +168,7 @@ class WaveGuard:
             "held_from": self.held_from,  # closed batches of this bucket or larger held plain
             "held_left": self.held_left,
             "last_ratio": round(self.last_ratio, 4) if self.last_ratio is not None else None,
-            "ratios": list(self.ratios),
+            "ratios": [round(r, 4) for r in self.ratios],
         }
 
 
@@ -187,8 +189,13 @@ def modelled_step_s(cost: CostModel, rows: RowsFn, spans: list[int], remaining: 
     context rows) and the verify of the spans, each cut to its request's budget as the scheduler cuts them."""
     n = len(spans)
     if max(spans) == 1:
-        return cost.plain_s(n) + cost.host_fit_s("plain", n)
+        return plain_modelled_s(cost, n)
     spans = [min(s, max(r, 1)) for s, r in zip(spans, remaining)]
     drafted = sum(s > 1 for s in spans)
     draft = cost.draft_s(drafted, max(spans)) + cost.catch_up_s(catch_up_rows)
     return draft + cost.verify_s(n, rows(n, sum(spans))) + cost.host_fit_s("verify", n)
+
+
+def plain_modelled_s(cost: CostModel, n: int) -> float:
+    """A plain decode step of n requests by the policy's measured costs, the host's share included."""
+    return cost.plain_s(n) + cost.host_fit_s("plain", n)

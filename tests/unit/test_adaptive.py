@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -285,6 +286,8 @@ def _simulate_phases(
     draft_row_s: float = 0.0,
     prepared: bool = False,
     poor_every: int = 0,
+    accept: Callable[[int, int, int], int] | None = None,
+    prefill_s: float = 0.0,
 ) -> list[float]:
     """_simulate over consecutive phases (concurrency, p_accept, waves, tokens) with one policy: tok/s per
     phase. p_accept: a geometric per-draft rate, or a profile's draw(rng, span) (accepted drafts).
@@ -312,7 +315,9 @@ def _simulate_phases(
     policy's tables know each cap (as Engine.capture_graphs times them). `prepared`: each speculating step
     prepares the next choice before its blocks are observed, as the engine does while the step's graph runs
     (AdaptivePolicy.prepare). `poor_every`: with `switch`, every such request (by id) never switches (the trained
-    tiny pair's one prompt in four whose blocks stay at 0-2: a wave waits for it)."""
+    tiny pair's one prompt in four whose blocks stay at 0-2: a wave waits for it). `accept(request, tokens it has
+    generated, span)`: the drafts a block accepts, instead of p_accept's draws (a real pair's acceptance
+    replayed: tests/unit/trained_pair_replay.py). `prefill_s`: each prefill's own cost (every mode pays it)."""
     true = true or CostModel.linear(5e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
     rng = random.Random(seed)
     pol = AdaptivePolicy(B, rows=_graph_rows)
@@ -352,6 +357,7 @@ def _simulate_phases(
             if new:
                 left.update(dict.fromkeys(new, tokens))
                 rid, to_come = rid + len(new), to_come - len(new)
+                elapsed += prefill_s
                 if mode == "adaptive":  # admission, as the scheduler asks: a dormant policy admits them retired
                     for r in new:
                         pol.admit(r, tokens, 128, concurrency, len(new))
@@ -391,9 +397,11 @@ def _simulate_phases(
                 if s > 1:
                     drafted_once.add(r)
                 m = 0
-                if callable(p):  # a fixed-tau profile: m drawn by the profile, capped by the span
+                if accept is not None:
+                    m = accept(r, tokens - left[r], s) if s > 1 else 0
+                elif callable(p):  # a fixed-tau profile: m drawn by the profile, capped by the span
                     m = p(rng, s)
-                while not callable(p) and m < s - 1 and rng.random() < p:
+                while accept is None and not callable(p) and m < s - 1 and rng.random() < p:
                     m += 1
                 pol.observe_acceptance(r, s, m)
                 carried[r] = m + 1 if s > 1 else carried.get(r, 128) + 1

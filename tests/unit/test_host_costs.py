@@ -54,7 +54,7 @@ def test_a_steps_host_time_is_its_wall_less_the_runners_work(monkeypatch):
     samples._pending.append((4, 4, 0, 0.0, 0.005, 0.0, 0, 1, 0))  # a cost sample is due: the host means go with it
     samples.feed()
     m = policy.cost
-    fitted = {k: round(m._host_fit_s(k, 4) * 1e3, 3) for k in ("verify", "plain")}
+    fitted = {k: round(m.host_fit_s(k, 4) * 1e3, 3) for k in ("verify", "plain")}
     assert m.host["verify"].updates == m.host["plain"].updates == 1, fitted
     assert fitted["verify"] > fitted["plain"] > 0.0, f"one sample each moves the fits toward 1.0 / 0.2 ms: {fitted}"
 

@@ -23,10 +23,8 @@ import json
 import sys
 from pathlib import Path
 
-from refengine.runner.shapes import batch_buckets, row_caps
-from refengine.spec_decode.adaptive import AdaptivePolicy
 from refengine.spec_decode.step_costs import CostModel
-from tests.unit.test_adaptive import _graph_rows as graph_rows  # the GPU verify graphs' executed rows
+from tests.unit.test_adaptive import _simulate_phases
 
 TABLES = Path(__file__).with_name("trained_pair_acceptance.json")
 B = 16
@@ -111,101 +109,34 @@ def write_tables() -> None:
     )
 
 
-class Wave:
-    """One mode's engine stepped on waves of the replayed pair: `mode` plain, fixed (full spans) or adaptive
-    (one AdaptivePolicy across every wave, as one engine in the bench), each step priced by H200_COSTS."""
-
-    def __init__(self, mode: str, tables: list[list[int]], policy: AdaptivePolicy | None = None):
-        self.mode, self.tables, self.policy = mode, tables, policy
-        self.next_id = 0
-        self.carried: dict[int, int] = {}  # request -> context rows since its last draft (a catch-up's rows)
-        if policy is not None:
-            policy.pending = lambda r: self.carried.get(r, PROMPT_LEN)
-
-    def run(self, prompts: list[int], tokens: int) -> tuple[float, int]:
-        """A wave of the given prompts (indices into the tables), each generating `tokens`: (tok/s, verify
-        steps)."""
-        pol, mode = self.policy, self.mode
-        ids = list(range(self.next_id, self.next_id + len(prompts)))
-        self.next_id += len(prompts)
-        prompt_of, left = dict(zip(ids, prompts)), dict.fromkeys(ids, tokens)
-        elapsed, verify_steps = PREFILL_S, 0
-        if pol is not None:
-            for r in ids:
-                pol.admit(r, tokens, PROMPT_LEN, len(ids), len(ids))
-        if mode == "fixed" or (pol is not None and any(r not in pol.retired for r in ids)):
-            elapsed += PREFILL_TAPS_S
-        while left:
-            live = sorted(left)
-            retired = pol is not None and all(r in pol.retired for r in live)  # plain decode's own step
-            if mode == "adaptive" and not retired:
-                want = pol.choose(live, [left[r] for r in live])
-            else:
-                want = [B if mode == "fixed" else 1] * len(live)
-            spans = [max(1, min(s, left[r])) for s, r in zip(want, live)]
-            drafted = sum(s > 1 for s in spans)
-            carried = [self.carried.get(r, PROMPT_LEN) for r, s in zip(live, spans) if s > 1]
-            catch_up = CATCH_UP_FIXED_S + CATCH_UP_ROW_S * sum(carried) if carried and max(carried) > B else 0.0
-            draft = H200_COSTS.draft_s(drafted) + catch_up if drafted else 0.0
-            verify = (
-                H200_COSTS.verify_s(len(live), graph_rows(len(live), sum(spans)))
-                if drafted
-                else H200_COSTS.plain_s(len(live))
-            )
-            kind = "verify" if drafted else ("plain" if pol is not None and not retired else "engine")
-            host = HOST_S[kind][0] + HOST_S[kind][1] * len(live)
-            elapsed += draft + verify + host + (TAPS_S if kind == "plain" else 0.0)
-            verify_steps += drafted > 0
-            if pol is not None and not retired:
-                pol.cost.observe_host(kind, len(live), host)
-                pol.observe_step(len(live), sum(spans), drafted, draft, verify, catch_up, widest=max(spans))
-            for r, s in zip(live, spans):
-                table = self.tables[prompt_of[r]]
-                accepted = min(s - 1, table[min(tokens - left[r], len(table) - 1)]) if s > 1 else 0
-                if pol is not None:
-                    pol.observe_acceptance(r, s, accepted)
-                self.carried[r] = accepted + 1 if s > 1 else self.carried.get(r, PROMPT_LEN) + 1
-                left[r] -= accepted + 1
-                if left[r] <= 0:
-                    del left[r]
-                    if pol is not None:
-                        pol.release(r)
-        return len(prompts) * tokens / elapsed, verify_steps
-
-
-def seeded_policy() -> AdaptivePolicy:
-    """A policy whose cost tables hold every graph shape's H200 cost (as Engine.capture_graphs times them)."""
-    pol = AdaptivePolicy(B, rows=graph_rows)
-    for b in batch_buckets(32):
-        pol.cost.seed("plain", b, H200_COSTS.plain_s(b))
-        pol.cost.seed("draft", b, H200_COSTS.draft_s(b))
-        for c in row_caps(B):
-            pol.cost.seed("verify", (b, b * c), H200_COSTS.verify_s(b, b * c))
-    return pol
-
-
-def replay_bench(cells: list[int], rounds: int = 8) -> dict[int, list[tuple[float, int, float]]]:
-    """The paired bench's order on the replayed pair: the adaptive engine settles on c32 waves, then each
-    cell (its c prompts, the bench's first c) runs a 16-token warm-up and `rounds` waves. Per cell and round:
-    (adaptive / plain, adaptive's verify steps, fixed / plain)."""
+def replay_bench(cells: list[int], rounds: int = 8) -> dict[int, list[tuple[float, float]]]:
+    """The paired bench's order on the replayed pair, stepped by test_adaptive's _simulate_phases (one adaptive
+    policy through every phase, as one engine in the bench; every graph shape's cost seeded, as
+    Engine.capture_graphs times them): the adaptive engine settles on c32 waves, then each cell (its c prompts,
+    the bench's first c) runs a 16-token warm-up and `rounds` waves. Per cell and round: (adaptive / plain,
+    fixed full spans / plain)."""
     tables = json.loads(TABLES.read_text())["tables"]
-    pol = seeded_policy()
-    engines = {m: Wave(m, tables, pol if m == "adaptive" else None) for m in ("plain", "adaptive", "fixed")}
-    for _ in range(SETTLE_WAVES):
-        engines["adaptive"].run(list(range(32)), OUTPUT)
-    out: dict[int, list[tuple[float, int, float]]] = {}
+    phases = [(32, 0.0, SETTLE_WAVES, OUTPUT)]  # (concurrency, unused draw rate, waves, tokens)
+    prompt_of = list(range(32)) * SETTLE_WAVES  # request id (in arrival order) -> its prompt
     for c in cells:
-        prompts = list(range(c))
-        for e in engines.values():
-            e.run(prompts, 16)
-        pol.reset_stats()
-        rows = []
-        for _ in range(rounds):
-            plain, _ = engines["plain"].run(prompts, OUTPUT)
-            adaptive, verify = engines["adaptive"].run(prompts, OUTPUT)
-            fixed, _ = engines["fixed"].run(prompts, OUTPUT)
-            rows.append((adaptive / plain, verify, fixed / plain))
-        out[c] = rows
+        phases += [(c, 0.0, 1, 16)] + [(c, 0.0, 1, OUTPUT)] * rounds
+        prompt_of += list(range(c)) * (1 + rounds)
+
+    def accept(req: int, generated: int, span: int) -> int:
+        table = tables[prompt_of[req]]
+        return min(span - 1, table[min(generated, len(table) - 1)])
+
+    looks = dict(prefill_s=PREFILL_S, prefill_taps_s=PREFILL_TAPS_S, taps_s=TAPS_S, catch_up_fixed_s=CATCH_UP_FIXED_S)
+    kw = dict(true=H200_COSTS, seeded=True, host=HOST_S, catch_up_row_s=CATCH_UP_ROW_S, accept=accept, **looks)
+    tok_s = {m: _simulate_phases(m, phases, **kw) for m in ("plain", "adaptive", "fixed")}
+    out, at = {}, 1
+    for c in cells:
+        at += 1  # (the cell's warm-up)
+        out[c] = [
+            (tok_s["adaptive"][i] / tok_s["plain"][i], tok_s["fixed"][i] / tok_s["plain"][i])
+            for i in range(at, at + rounds)
+        ]
+        at += rounds
     return out
 
 
@@ -220,5 +151,5 @@ if __name__ == "__main__":
         for c, rows in replay_bench([1, 8, 16, 32]).items():
             print(
                 f"c{c}: adaptive x plain median {median([r[0] for r in rows]):.3f}, fixed "
-                f"{median([r[2] for r in rows]):.3f}, rounds {[(round(a, 3), v) for a, v, _ in rows]}"
+                f"{median([r[1] for r in rows]):.3f}, rounds {[round(a, 3) for a, _ in rows]}"
             )
