@@ -291,6 +291,19 @@ class Engine:
             total.merge(r.spec)
         return total
 
+    def span_stats(self) -> dict:
+        """The span policy's record, JSON-ready: `policy` ("fixed" or "adaptive"), `spans` (verify span chosen ->
+        request-steps, as strings; 1 = a drafting request decoded plainly), `errors` (choices that raised: those
+        steps decoded plainly) and `detail` (the policy's own statistics)."""
+        sched = self.scheduler
+        policy = sched.policy
+        return {
+            "policy": self.config.speculation if self.proposer is not None else "off",
+            "spans": {str(k): v for k, v in sorted(sched.span_counts.items())},
+            "errors": policy.errors if policy is not None else 0,
+            "detail": policy.summary() if policy is not None else {},
+        }
+
     def check_integrity(self) -> None:
         """Scheduler, KV pool and proposer agree (IntegrityError naming the disagreement otherwise)."""
         self.scheduler.check_integrity()

@@ -65,6 +65,7 @@ class Scheduler(StepCommit):
             self.policy.pending = getattr(proposer, "pending_rows", None)
         self.acceptance_override = acceptance_override
         self.plan_counts: Counter = Counter()  # plan kind -> steps
+        self.span_counts: Counter = Counter()  # verify span chosen (1 = a drafting request decoded plainly) -> steps
         self.costs = CostSamples(self.policy) if self.policy is not None else None  # its step-cost samples
         self._stretch: PlainStretch | None = None  # adaptive: the open plain stretch (spec_decode/plain_stretch.py)
         # adaptive: a batch whose every request is retired (the running list, its size); planned again without a

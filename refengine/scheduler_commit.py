@@ -4,6 +4,8 @@ the others. Mixed into the Scheduler, over StepRecovery (which undoes a failed o
 
 from __future__ import annotations
 
+from collections import Counter
+
 from refengine.errors import AlignmentError, IntegrityError
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult
 from refengine.request import FinishReason, Request
@@ -20,6 +22,7 @@ class StepCommit(StepRecovery):
     # what the Scheduler provides (beyond StepRecovery's)
     eos_ids: set[int]
     running: list[Request]
+    span_counts: Counter
     policy: AdaptivePolicy | None
     costs: CostSamples | None
     acceptance_override: AcceptanceOverride | None
@@ -53,6 +56,7 @@ class StepCommit(StepRecovery):
                 skip = plan.uncaptured
                 captured = [r for r in plan.requests if r.request_id not in skip] if skip else plan.requests
                 self.active_proposer.commit_step([r.request_id for r in captured])
+                self.span_counts[1] += len(captured)
                 if stretch is not None:
                     stretch.count_step()  # written into their stats when the stretch closes
                 else:
@@ -73,6 +77,7 @@ class StepCommit(StepRecovery):
             else:  # benchmark-only (refengine bench --acceptance-profile): m drawn from the profile
                 forced = [self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
                 results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore, accepted=forced)
+            self.span_counts.update(plan.spans)
             for (req_id, start, span), req, vr in zip(
                 self.pool.speculative_view(plan.reservation), plan.requests, results
             ):
