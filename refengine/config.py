@@ -199,7 +199,7 @@ def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None, max_mo
     return min(limit, max_model_len or limit)
 
 
-SPECULATION_MODES = ("fixed", "adaptive")
+SPECULATION_MODES = ("fixed", "adaptive")  # the span policies (refengine/span_policy/base.py: SPAN_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -225,13 +225,9 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_prefill_tokens: int = 8192
     speculative: bool = True  # use the drafter when one is given
-    # "fixed": every verify span is min(B, remaining); "adaptive": refengine.spec_decode.adaptive picks each
-    # request's span (1..B) per step from measured step costs and its acceptance (greedy output unchanged)
+    # "fixed": every verify span is min(B, remaining); "adaptive": GoodputSpans picks each request's span
+    # (1..B) per step from measured step costs and its acceptance (refengine/span_policy/; output unchanged)
     speculation: str = "fixed"
-    # adaptive: a plain step's probes draft beside the decode instead of in a verify (spec_decode/
-    # shadow_probe.py; on CUDA with graphs on a second stream, elsewhere after the decode). Off by default: on
-    # the H200 it was no net gain at Qwen3-4B shapes and cost 9% on the trained tiny pair at c32 (docs/PERF.md)
-    shadow_probes: bool = False
     # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
     # `refengine bench --acceptance-profile` enables them. Any value is refused.
     acceptance_profile: str | None = None
@@ -273,11 +269,6 @@ class EngineConfig:
             raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
         if self.speculation not in SPECULATION_MODES:
             raise UnsupportedConfigError(f"speculation={self.speculation!r}: use one of {SPECULATION_MODES}")
-        if self.shadow_probes and self.speculation != "adaptive":
-            raise UnsupportedConfigError(
-                f"shadow_probes=True with speculation={self.speculation!r}: shadow probes are adaptive "
-                "speculation's (speculation='adaptive')"
-            )
         if self.acceptance_profile is not None:
             raise UnsupportedConfigError(
                 f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "

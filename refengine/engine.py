@@ -18,11 +18,12 @@ from refengine.memory.planner import KvBudgetPlan
 from refengine.models.dflash import DFlashDrafter
 from refengine.models.qwen3 import Qwen3Model
 from refengine.parallel import TensorParallelGroup, shard_target
-from refengine.plan import Plan, PrefillPlan, VerifyPlan, validate_result
+from refengine.plan import Plan, validate_result
 from refengine.request import Request, SamplingParams, SpecStats
 from refengine.runner.model_runner import ModelRunner
 from refengine.scheduler import Scheduler
 from refengine.scoring import ScoredSequence, score_sequences
+from refengine.span_policy.base import SpanPolicy, build_span_policy
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.lane import DFlashLane
@@ -39,9 +40,11 @@ class Engine:
         proposer: Proposer | None = None,
         acceptance_override: AcceptanceOverride | None = None,
         target: Qwen3Model | None = None,
+        span_policy: SpanPolicy | None = None,
     ):
         """`proposer` replaces the DFlash lane (the test proposers use it); by default a drafter given in
-        `config.draft_path` is loaded and speculates when `config.speculative`. `acceptance_override` is
+        `config.draft_path` is loaded and speculates when `config.speculative`. `span_policy` replaces the
+        one `config.speculation` names (a SpanPolicy: refengine/span_policy/base.py). `acceptance_override` is
         benchmark-only: `refengine bench --acceptance-profile` passes it (outputs stop being greedy-exact).
         `target`: another engine's loaded target (config.target_path's model, on config's device and dtype) to
         read instead of loading a copy: engines stepping one at a time may share it, as the paired bench's do
@@ -111,51 +114,44 @@ class Engine:
             width = len(self.proposer.capture_layers) * tcfg.hidden_size
             self.store = FeatureStore(self.pool, width, dtype, self.target.device)
             self.proposer.bind_feature_store(self.store)
+        self.span_policy: SpanPolicy | None = None
+        if self.proposer is not None:
+            self.span_policy = span_policy or build_span_policy(config.speculation, self.proposer.block_size)
         self.scheduler = Scheduler(
             self.pool,
             self.proposer,
+            self.span_policy,
             vocab_size=tcfg.vocab_size,
             eos_ids=read_stop_ids(config.target_path, tcfg),
             max_context=self.max_context,
             max_num_seqs=config.max_num_seqs,
             max_prefill_tokens=config.max_prefill_tokens,
-            speculation=config.speculation,
             acceptance_override=acceptance_override,
         )
         graphs = build_graphs(config, self.target, self.pool, self.proposer, self.store)
         self.runner = ModelRunner(
             self.target, self.pool, attention, self.proposer, graphs, tp=self.tp, store=self.store
         )
-        self.scheduler.bind_timings(
-            self.runner.timings,
-            self.runner.verify_rows,
-            self.runner.graph_captures,
-            buckets=(self.runner.batch_bucket, self.runner.draft_bucket),
-            draft_caps=self.runner.draft_score_cap,
-        )
-        if self.scheduler.policy is not None:  # adaptive: its cost samples and next choice, while graphs run
-            self.runner.while_waiting = self.scheduler.while_waiting
-        self.scheduler.shadow_probes = config.shadow_probes and self.scheduler.policy is not None
+        if self.span_policy is not None:
+            self.span_policy.start(self.runner.step_shapes())
         self._ids = itertools.count()
         self.finished: list[Request] = []
         self.last_plan: Plan | None = None  # the plan the last step ran (None: it had no work)
 
     def capture_graphs(self) -> int:
         """Capture every CUDA graph shape now instead of on first use (what `refengine bench` and `serve` do at
-        start-up, so no timed or served step pays a capture), and time each shape's replay to seed the adaptive
+        start-up, so no timed or served step pays a capture), and time each shape's replay to seed the span
         policy's cost table; returns how many were captured. No-op in eager.
 
         On CUDA, start-up ends here: what is alive (weights, modules, graphs, imported libraries) is moved out
         of the garbage collector's generations (gc.freeze, after a collection), so its full passes scan only
-        what serving allocates. Without it, Qwen3-4B adaptive decode at c32 on the H200 spent 0.26 ms a step
+        what serving allocates. Without it, Qwen3-4B decode at c32 on the H200 spent 0.26 ms a step
         in the collector (21 passes in 384 steps; plain decode: 1), 5% of the step. A frozen engine's KV pools
         are still freed when its last reference goes: reference counting alone frees them (tests/unit/
         test_graphs.py checks with the collector off)."""
         captured = self.runner.capture_graphs()
-        policy = self.scheduler.policy
-        if policy is not None and self.runner.graphs:  # the adaptive policy starts from timed replays
-            for kind, key, seconds in self.runner.shape_costs():
-                policy.cost.seed(kind, key, seconds)
+        if self.span_policy is not None and self.runner.graphs:  # the policy's costs start from timed replays
+            self.span_policy.start(self.runner.step_shapes(), self.runner.shape_costs())
         if self.target.device.type == "cuda":
             gc.collect()
             gc.freeze()
@@ -202,18 +198,13 @@ class Engine:
         plan's unfinished requests finish with ERROR. Nothing is re-raised (except KeyboardInterrupt and
         other non-Exception exits, and a TensorParallelError: a dead rank or a closed group, after the
         rollback), every other request goes on producing exactly its bs=1 output, and the engine keeps
-        serving. A failure in the adaptive policy's choice (in the schedule) decodes that step plainly, logged
+        serving. A failure in the span policy's choice (in the schedule) decodes that step plainly, logged
         and counted (Scheduler._choose)."""
         sched = self.scheduler
-        host_timing = sched.costs if sched.costs is not None and sched.costs.policy.cost.price_host else None
-        if host_timing is not None:
-            host_timing.step_started()  # the host's share of the step, priced by the policy (CostModel.price_host)
         plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:
                 result = self.runner.execute(plan)
-                if sched.policy is not None:
-                    sched.while_waiting()  # (a graphed step did it while its graph ran: then a no-op)
                 validate_result(
                     plan,
                     result,
@@ -234,11 +225,6 @@ class Engine:
                 except Exception as e:
                     self._log_failure(plan, e)
                     sched.abandon(plan, e)
-                else:
-                    if host_timing is not None and not isinstance(plan, PrefillPlan):
-                        host_timing.step_ended(plan)
-                    elif isinstance(plan, VerifyPlan) and sched.costs is not None:
-                        sched.costs.step_ended(plan)  # timed from its choice (Scheduler): H_verify, the regime's
         done = sched.take_done()
         self.finished.extend(done)
         return done
@@ -284,8 +270,6 @@ class Engine:
 
     def spec_stats(self, requests: list[Request] | None = None) -> SpecStats:
         """The merged SpecStats of `requests` (default: every finished request)."""
-        if requests is not None:  # running requests' stats lag by an open plain stretch until it closes
-            self.scheduler.close_stretch()
         total = SpecStats()
         for r in requests if requests is not None else self.finished:
             total.merge(r.spec)
@@ -295,13 +279,12 @@ class Engine:
         """The span policy's record, JSON-ready: `policy` ("fixed" or "adaptive"), `spans` (verify span chosen ->
         request-steps, as strings; 1 = a drafting request decoded plainly), `errors` (choices that raised: those
         steps decoded plainly) and `detail` (the policy's own statistics)."""
-        sched = self.scheduler
-        policy = sched.policy
+        sched, policy = self.scheduler, self.span_policy
         return {
-            "policy": self.config.speculation if self.proposer is not None else "off",
+            "policy": policy.name if policy is not None else "off",
             "spans": {str(k): v for k, v in sorted(sched.span_counts.items())},
-            "errors": policy.errors if policy is not None else 0,
-            "detail": policy.summary() if policy is not None else {},
+            "errors": sched.policy_errors,
+            "detail": policy.stats() if policy is not None else {},
         }
 
     def check_integrity(self) -> None:

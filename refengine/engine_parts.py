@@ -64,15 +64,11 @@ def build_graphs(
     if config.graph_mode_name == "eager":
         return {}
     capturer = Capturer(target.device)
-    # with shadow probes, the drafter's graphs in a memory pool of their own: a shadow probe's draft replays
-    # beside the decode graph (runner/shadow_drafts.py), so their temporaries must not share addresses
-    lane_capturer = Capturer(target.device) if config.shadow_probes else capturer
     taps = proposer.capture_layers if proposer is not None else ()
     span = proposer.block_size if proposer is not None else None
     rows = store.rows if store is not None else None
     if isinstance(proposer, DFlashLane):
-        proposer.graph = build_draft_graph(proposer.drafter, proposer.pool, config, lane_capturer, rows)
+        proposer.graph = build_draft_graph(proposer.drafter, proposer.pool, config, capturer, rows)
         if store is not None:
-            proposer.catch_up_graphs = CatchUpGraphs(proposer.graph.stack, lane_capturer, store.pool.dummy_slot)
-    adaptive = config.speculation == "adaptive"  # its retired requests decode without taps
-    return build_target_graphs(target, pool, config, capturer, taps, span, rows, plain_decode=adaptive)
+            proposer.catch_up_graphs = CatchUpGraphs(proposer.graph.stack, capturer, store.pool.dummy_slot)
+    return build_target_graphs(target, pool, config, capturer, taps, span, rows)

@@ -7,14 +7,11 @@ carry token ids and counts only: target hidden states stay between the runner an
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from refengine.kv.pool import SpecReservation
 from refengine.request import Request
 
-if TYPE_CHECKING:  # a runtime import would cycle (refengine.runner imports this module)
-    from refengine.runner.logits import TopK
-    from refengine.spec_decode.proposer import DraftItem
+TopK = tuple[list[int], list[float]]  # (ids, logprobs) of one position, best first
 
 
 @dataclass
@@ -26,23 +23,16 @@ class PrefillPlan:
 @dataclass
 class DecodePlan:
     requests: list[Request]
-    # capture every request's drafter features of the decoded row: the speculating requests, when the
-    # adaptive policy put them all at span 1 (a plain decode step that keeps their drafter context aligned)
+    # the requests are drafting ones whose spans are all 1: record every row's tap features (their drafter
+    # context stays aligned). False: requests that do not draft (logprobs, or no proposer).
     capture: bool = False
-    # requests of a capturing plan whose rows are not captured: retired from speculation by the adaptive policy
-    # (they ride along at span 1 and have no drafter context). A plan of retired requests only does not capture.
-    uncaptured: frozenset[int] = frozenset()
-    # adaptive shadow probes (spec_decode/shadow_probe.py): blocks drafted at these requests' current
-    # positions while the step decodes, to compare with the tokens it and the next steps commit
-    shadow: tuple[DraftItem, ...] = ()
 
 
 @dataclass
 class VerifyPlan:
-    requests: list[Request]
-    spans: list[int]  # min(B, remaining budget): a request never verifies past its budget
+    requests: list[Request]  # drafting requests, every row's features recorded
+    spans: list[int]  # 1..min(B, remaining budget): a request never verifies past its budget; 1 = a plain row
     reservation: SpecReservation
-    uncaptured: frozenset[int] = frozenset()  # as DecodePlan's: retired requests, at span 1
 
 
 Plan = PrefillPlan | DecodePlan | VerifyPlan
@@ -50,8 +40,8 @@ PLAN_KINDS = ("prefill", "decode", "decode_taps", "verify")
 
 
 def plan_kind(plan: Plan) -> str:
-    """The step's kind for timings (refengine bench): a decode step that writes its speculating requests' tap
-    features (`decode_taps`) is told apart from plain decode's own step (`decode`)."""
+    """The step's kind for timings (refengine bench): a decode step of drafting requests, which records their
+    tap features (`decode_taps`), is told apart from a decode step of requests that do not draft (`decode`)."""
     if isinstance(plan, PrefillPlan):
         return "prefill"
     if isinstance(plan, DecodePlan):
@@ -67,7 +57,8 @@ class StepResult:
     # decode, every span row for verify)
     topk: list[list[TopK]] = field(default_factory=list)  # per scored row when the request asked for logprobs
     drafts: list[list[int]] = field(default_factory=list)  # verify: the span - 1 drafts each request proposed
-    shadow_drafts: list[list[int]] = field(default_factory=list)  # decode: span - 1 per DecodePlan.shadow item
+    seconds: float | None = None  # the step's wall time, when it is a cost sample (no graph was captured in it)
+    draft_seconds: float | None = None  # a verify step's draft share of `seconds`, catch-up projection excluded
 
 
 def scored_rows(plan: Plan, i: int) -> int:
@@ -93,12 +84,6 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         raise StepError(f"result has top-k for {len(result.topk)} requests, the plan has {n}")
     if isinstance(plan, VerifyPlan) and len(result.drafts) != n:
         raise StepError(f"result has drafts for {len(result.drafts)} requests, the verify plan has {n}")
-    shadow = plan.shadow if isinstance(plan, DecodePlan) else ()
-    if len(result.shadow_drafts) != len(shadow):
-        raise StepError(f"result has {len(result.shadow_drafts)} shadow drafts, the plan {len(shadow)} shadow probes")
-    for it, d in zip(shadow, result.shadow_drafts):
-        if len(d) != it.span - 1 or not all(0 <= t < vocab_size for t in d):
-            raise StepError(f"request {it.req_id}: shadow drafts {d[:4]} for a span of {it.span}")
     every_row_captures = isinstance(plan, VerifyPlan) or (isinstance(plan, DecodePlan) and plan.capture)
     for i, req in enumerate(plan.requests):
         rows, rid = scored_rows(plan, i), req.request_id
@@ -114,9 +99,6 @@ def validate_result(plan: Plan, result: StepResult, vocab_size: int, staged: set
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise StepError(f"request {rid}: token ids {bad[:4]} outside the vocabulary 0..{vocab_size - 1}")
-        if isinstance(plan, PrefillPlan):
-            captures = plan.capture[i]
-        else:
-            captures = every_row_captures and rid not in plan.uncaptured
+        captures = plan.capture[i] if isinstance(plan, PrefillPlan) else every_row_captures
         if captures and rid not in staged:
             raise StepError(f"request {rid}: no drafter features were staged for its {rows}-row step")

@@ -14,14 +14,17 @@ from golden.records import AcceptanceRecord, TopKRecord
 from refengine import Engine, EngineConfig, Request, SamplingParams
 
 
-def cpu_engine(target, draft=None, proposer=None, **kw) -> Engine:
-    """fp32 on the CPU with the torch attention backend. `proposer` replaces the DFlash lane (test proposers)."""
+def cpu_engine(target, draft=None, proposer=None, span_policy=None, **kw) -> Engine:
+    """fp32 on the CPU with the torch attention backend. `proposer` replaces the DFlash lane (test proposers);
+    `span_policy` the one `speculation` names (tests/span_policies.py)."""
     return Engine(
-        EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw), proposer=proposer
+        EngineConfig(str(target), draft_path=str(draft) if draft else None, device="cpu", **kw),
+        proposer=proposer,
+        span_policy=span_policy,
     )
 
 
-def gpu_engine(target, draft=None, proposer=None, shared_target=None, **kw) -> Engine:
+def gpu_engine(target, draft=None, proposer=None, shared_target=None, span_policy=None, **kw) -> Engine:
     """bf16 on CUDA with the FlashInfer backend. The tiny pairs get a fixed pool of 8192 blocks (131k tokens,
     plenty) instead of one planned to fill the device: the checks after every step stay cheap. The memory
     tests build their engines themselves to exercise the planner."""
@@ -39,6 +42,7 @@ def gpu_engine(target, draft=None, proposer=None, shared_target=None, **kw) -> E
         ),
         proposer=proposer,
         target=shared_target,
+        span_policy=span_policy,
     )
 
 
@@ -65,23 +69,6 @@ def greedy(
     for r in reqs:
         assert r.reject_reason is None, r.message
     return [r.output_ids for r in reqs]
-
-
-def record_draft_costs(engine: Engine) -> list[tuple[float, float]]:
-    """Wrap the adaptive policy's observe_step; the returned list fills with (draft_s, catch_up_s) of every
-    drafting step the scheduler hands it."""
-    policy = engine.scheduler.policy
-    assert policy is not None, "record_draft_costs needs speculation='adaptive'"
-    log: list[tuple[float, float]] = []
-    observe = policy.observe_step
-
-    def observe_step(n, rows, drafted, draft_s, verify_s, catch_up_s=0.0, carried_rows=None, steps=1, widest=0):
-        if drafted:
-            log.append((draft_s, catch_up_s))
-        return observe(n, rows, drafted, draft_s, verify_s, catch_up_s, carried_rows, steps, widest)
-
-    policy.observe_step = observe_step  # type: ignore[method-assign]
-    return log
 
 
 def record_drafts(engine: Engine) -> list[list[list[int]]]:
@@ -156,6 +143,7 @@ def engine_leftovers(engine: Engine) -> dict[str, object]:
         "blocks_not_free": pool.num_blocks - pool.allocator.num_free,
         "running": [r.request_id for r in engine.scheduler.running],
         "waiting": [r.request_id for r in engine.scheduler.waiting],
+        "span_policy_requests": sorted(getattr(engine.span_policy, "live", ())),
     }
 
 
@@ -171,7 +159,7 @@ def assert_no_leftovers(engine: Engine, label: str = "") -> None:
 
 class FeatureRecorder:
     """Wraps engine.proposer.append_pending_context and append_pending_step (every row the drafter receives
-    is committed through one of them: prefill and verify rows, and plain decode steps' rows in adaptive mode)
+    is committed through one of them: prefill and verify rows, and the rows of decode steps at span 1)
     and reads the committed rows' features from the feature store right then (what the drafter will read);
     and engine.scheduler.schedule (to tag each batch of rows with the plan that produced it: 'PrefillPlan'
     with its request count, 'VerifyPlan' or 'DecodePlan')."""
@@ -264,7 +252,7 @@ def break_verify_features_shifted(engine: Engine) -> None:
 
 
 def break_decode_step_rows_rotated(engine: Engine) -> None:
-    """In a plain decode step of several speculating requests (adaptive, every span 1), hand each request the
+    """In a decode step of several drafting requests (every span 1), hand each request the
     next request's row of the step's features (rotated in the feature store): same shapes, wrong rows."""
     lane = engine.proposer
     stage_step = lane.stage_step

@@ -48,21 +48,18 @@ class TorchGraphAttention:
 
 
 class FlashInferGraphAttention:
-    _workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
+    _workspaces: dict[torch.device, torch.Tensor] = {}
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
     use_lean_plan = True  # lean plans after the first, where lean_plan_supported (read once, at the first plan)
 
-    def __init__(
-        self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace: str = "target"
-    ):
-        """`workspace`: the float workspace's kind. Wrappers of one kind run one at a time and share it; the
-        drafter's ("draft") may run beside the target's (a shadow probe, runner/shadow_drafts.py)."""
+    def __init__(self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int):
+        """Every wrapper of a device shares one float workspace: the engine's graphs replay one at a time."""
         import flashinfer  # lazily: CPU installs never need it
 
         dev = pool.k[0].device
-        ws = self._workspaces.get((dev, workspace))
+        ws = self._workspaces.get(dev)
         if ws is None:
-            ws = self._workspaces[(dev, workspace)] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            ws = self._workspaces[dev] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         pages = page_entries_capacity(pool, batch)
         self.pool, self.heads = pool, (num_heads, num_kv_heads, head_dim)
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)

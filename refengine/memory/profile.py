@@ -84,12 +84,9 @@ FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # each graph-mode wrapper's own device
 def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None, max_context: int) -> int:
     """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
-    dominate), every bucket's persistent buffers (adaptive mode: also its decode graph without taps), and one
-    FlashInfer int workspace per graph-mode wrapper.
+    dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
     The drafter graph's temporaries are the lane's batch scratch, and its catch-up graphs' (buffers and
-    temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation (with
-    shadow probes they have a pool of their own, and a second float workspace, counted here: a shadow
-    probe's draft replays beside the decode graph)."""
+    temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation."""
     from refengine.runner.shapes import batch_buckets, row_caps
 
     c, b = target.cfg, target.dtype.itemsize
@@ -98,11 +95,9 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     buckets = batch_buckets(config.max_num_seqs)
     per_row = b * (2 * c.hidden_size + 2 * c.q_dim + c.kv_dim + taps * c.hidden_size) + 4 * 8
     verify_rows = sum(row_caps(span)) if draft_cfg is not None else 0  # per request, over the verify shapes
-    twin = int(draft_cfg is not None and config.speculation == "adaptive")  # the decode graph without taps
-    rows = sum(buckets) * (1 + twin + verify_rows)  # decode (+ its twin) + verify shapes
-    wrappers = len(buckets) * (1 + twin + 2 * (draft_cfg is not None))  # decode(s), verify (shared by caps), draft
-    workspaces = 1 + (draft_cfg is not None and config.shadow_probes)  # shadow probes: the drafter's own
-    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + workspaces * FLOAT_WORKSPACE_BYTES
+    rows = sum(buckets) * (1 + verify_rows)  # decode + verify shapes
+    wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify (shared by caps), draft
+    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
     if draft_cfg is not None:
         d = draft_cfg.model
         static += sum(buckets) * span * (b * (2 * d.hidden_size + 2 * d.q_dim + d.kv_dim) + 4 * 8)

@@ -14,7 +14,6 @@ apart from the hidden rows so each residual add fuses into the next norm (FlashI
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -169,12 +168,6 @@ class SegmentedStack:
         self.feature_store = feature_store
         half = cfg.head_dim // 2
         self.cos_sin = torch.cat([rope.cos[:, :half], rope.sin[:, :half]], dim=-1).float().contiguous()
-
-    def without_taps(self) -> SegmentedStack:
-        """The same model (weights, pool, kernels shared) with no tap layers: its steps write no features."""
-        twin = copy.copy(self)
-        twin.tap_layers, twin.feature_store = (), None
-        return twin
 
     @property
     def num_segments(self) -> int:

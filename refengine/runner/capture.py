@@ -1,5 +1,5 @@
-"""Recording CUDA graphs: a private capture stream and memory pool per Capturer (an engine has one; with
-shadow probes two: the target's graphs, and the drafter's, which then replay beside them), and a CPU fake that
+"""Recording CUDA graphs: a private capture stream and memory pool per Capturer (an engine has one: its
+graphs replay one at a time), and a CPU fake that
 just calls the function again on replay, so the graph logic runs in CPU tests."""
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ def draft_fill(launched: LaunchedDrafts) -> Callable[[StepState], None]:
 
 
 class VerifyClock:
-    """A verify step's wall time, split into draft and verify (the runner's timings; the adaptive policy fits
-    its cost curves on them). The host no longer waits for the draft, so on CUDA the draft's end is an event:
+    """A verify step's wall time, split into draft and verify (the runner's timings, and the span policy's
+    cost samples). The host no longer waits for the draft, so on CUDA the draft's end is an event:
     draft = from the step's start to the draft graph's end, verify = the rest of the step. On the CPU every
     op is done when it returns, and the host clock splits it."""
 

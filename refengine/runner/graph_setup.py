@@ -19,13 +19,9 @@ from refengine.runner.graphs import GraphRunner
 from refengine.runner.shapes import row_caps
 
 
-def _attention_factory(
-    config: EngineConfig, pool: KvPool, cfg: ModelConfig, workspace: str = "target"
-) -> Callable[[int], object]:
+def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> Callable[[int], object]:
     if config.backend_name == "flashinfer":
-        return lambda bucket: FlashInferGraphAttention(
-            pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, workspace=workspace
-        )
+        return lambda bucket: FlashInferGraphAttention(pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return lambda bucket: TorchGraphAttention(pool)
 
 
@@ -43,13 +39,10 @@ def build_target_graphs(
     verify_span: int | None,
     feature_store: torch.Tensor | None = None,
     capture_shape_rule: bool = True,
-    plain_decode: bool = False,
 ) -> dict[str, GraphRunner]:
     """'decode' (one row per request) and, with a proposer, 'verify' (up to verify_span rows per request, in
     shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps). Every step of either writes its
-    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py).
-    `plain_decode` adds 'decode_plain', the decode step without taps, for steps that capture nothing
-    (adaptive speculation's retired requests: spec_decode/adaptive.py)."""
+    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py)."""
     stack = SegmentedStack(
         target.cfg,
         [merge_layer(w) for w in target.layers],
@@ -72,8 +65,6 @@ def build_target_graphs(
         capture_shape_rule=capture_shape_rule,
     )
     runners = {"decode": GraphRunner(stack, make, span=1, **kw)}  # type: ignore[arg-type]
-    if plain_decode and tap_layers:
-        runners["decode_plain"] = GraphRunner(stack.without_taps(), make, span=1, **kw)  # type: ignore[arg-type]
     if verify_span is not None:
         runners["verify"] = GraphRunner(stack, make, span=verify_span, caps=row_caps(verify_span), **kw)  # type: ignore[arg-type]
     return runners
@@ -103,8 +94,7 @@ def build_draft_graph(
     )
     return GraphRunner(
         stack,
-        # with shadow probes it may run beside the target's graphs: a float workspace of its own
-        _attention_factory(config, pool, m, workspace="draft" if config.shadow_probes else "target"),
+        _attention_factory(config, pool, m),
         mode=config.graph_mode_name,
         span=drafter.cfg.block_size,
         max_batch=config.max_num_seqs,

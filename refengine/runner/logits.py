@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from refengine.plan import TopK
+
+__all__ = ["LOGIT_CHUNK_ROWS", "TopK", "read_logits"]
+
 LOGIT_CHUNK_ROWS = 1024  # logits rows materialised at once: bounds the [rows, vocab] transient (the planner
 # profiles exactly this chunk)
-
-TopK = tuple[list[int], list[float]]  # (ids, logprobs) of one position, best first
 
 
 def read_logits(target, hidden: torch.Tensor, k: int) -> tuple[list[int], list[list[int]], list[list[float]]]:

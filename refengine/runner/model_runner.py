@@ -4,7 +4,6 @@ proposer is told which rows of speculating requests it may use once the schedule
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -19,8 +18,8 @@ from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult
 from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
-from refengine.runner.shadow_drafts import ShadowDrafts
 from refengine.runner.verify_step import VerifyStep
+from refengine.span_policy.base import ShapeCost, StepShapes
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import Proposer
 
@@ -49,8 +48,7 @@ class ModelRunner(VerifyStep):
         # wall time per step kind; sync_wait_s: time the host sat waiting for graphed steps' results (wall time
         # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
         # catch_up_s: the part of draft_s spent projecting more pending drafter context than the draft graph
-        # takes (after a prompt or a plain stretch: catch-up graph replays; the adaptive policy learns it apart
-        # from the draft cost, as a switch's cost)
+        # takes (after a prompt, or steps at span 1: catch-up graph replays)
         self.timings = {
             "prefill_s": 0.0,
             "decode_s": 0.0,
@@ -58,20 +56,7 @@ class ModelRunner(VerifyStep):
             "verify_s": 0.0,
             "sync_wait_s": 0.0,
             "catch_up_s": 0.0,
-            # decode steps carrying a shadow probe's drafts: apart from decode_s, which the adaptive policy's
-            # plain cost samples read (counted there, a shadow's draft made the next sample's step look dearer:
-            # the trained tiny pair's P(16) read 1.09 ms for a 0.7 ms step, and adaptive speculated at a loss)
-            "shadow_s": 0.0,
         }
-        # host work that needs no result of the step (the scheduler's last cost sample): done between a graph's
-        # launch and the step's one host sync, where the host would only wait
-        self.while_waiting: Callable[[], None] | None = None
-        self.shadow = ShadowDrafts(target.device)  # adaptive shadow probes' drafts, beside a decode step
-
-    def verify_rows(self, n: int, rows: int) -> int:
-        """Rows a verify of n requests and `rows` real rows computes: its graph shape, or the rows (eager)."""
-        runner = self.graphs.get("verify")
-        return runner.executed_rows(n, rows) if runner is not None and runner.bucket_for(n) is not None else rows
 
     def _graph_runners(self) -> list[GraphRunner | CatchUpGraphs]:
         """Every graph runner of the engine: the target's decode / verify, the drafter's and its catch-ups'."""
@@ -86,36 +71,32 @@ class ModelRunner(VerifyStep):
         """Capture every graph shape now (decode, verify, draft, catch-up); returns how many were new."""
         return sum(r.capture_all() for r in self._graph_runners())
 
-    def batch_bucket(self, n: int) -> int:
-        """The batch shape a decode or verify step of n requests runs (n itself when eager)."""
-        return _bucket(self.graphs.get("decode"), n)
+    def step_shapes(self) -> StepShapes:
+        """How steps are shaped (the span policy's cost keys): the graphs' batch buckets and row caps; a kind
+        without graphs runs at the step's own size."""
+        decode, verify = self.graphs.get("decode"), self.graphs.get("verify")
+        draft = getattr(self.proposer, "graph", None)
 
-    def draft_bucket(self, m: int) -> int:
-        """The batch shape a draft of m requests runs (m itself when eager)."""
-        return _bucket(getattr(self.proposer, "graph", None), m)
+        def caps(runner: GraphRunner | None) -> tuple[int, ...]:
+            if runner is None:
+                return ()
+            return tuple(runner.caps) if runner.capture_shape_rule else (runner.span,)
 
-    def draft_score_cap(self, widest: int) -> int | None:
-        """The draft graph's score cap for a draft whose largest span is `widest` (graphs.py); None when it is
-        the full block's, or no draft graph runs (the cost table's keys, CostModel.draft_key)."""
-        graph = getattr(self.proposer, "graph", None)
-        if graph is None:
-            return None
-        cap = graph.shape_for(1, 0, widest)[1]
-        return None if cap == graph.span else cap
+        return StepShapes(
+            batch_buckets=tuple(decode.buckets) if decode is not None else (),
+            draft_buckets=tuple(draft.buckets) if draft is not None else (),
+            verify_caps=caps(verify),
+            draft_caps=caps(draft),
+        )
 
-    def shape_costs(self) -> list[tuple[str, object, float]]:
-        """Timed replays of the captured shapes as (kind, key, seconds): ('plain', bucket), ('verify', (bucket,
-        rows)), ('draft', bucket) for the full block's score cap, ('draft', (bucket, cap)) for a narrower one:
-        the adaptive policy's start-up cost table."""
-        out: list[tuple[str, object, float]] = []
-        for kind, runner in (("plain", self.graphs.get("decode")), ("verify", self.graphs.get("verify"))):
+    def shape_costs(self) -> list[ShapeCost]:
+        """Timed replays of every captured shape (decode, verify, draft): the span policy's start-up costs."""
+        out: list[ShapeCost] = []
+        runners = (("decode", self.graphs.get("decode")), ("verify", self.graphs.get("verify")))
+        for kind, runner in (*runners, ("draft", getattr(self.proposer, "graph", None))):
             if runner is not None:
                 for (bucket, cap), s in runner.time_shapes().items():
-                    out.append((kind, bucket if kind == "plain" else (bucket, bucket * cap), s))
-        draft = getattr(self.proposer, "graph", None)
-        if draft is not None:
-            for (bucket, cap), s in draft.time_shapes().items():
-                out.append(("draft", bucket if cap == draft.span else (bucket, cap), s))
+                    out.append(ShapeCost(kind, bucket, cap, s))
         return out
 
     def _replay(
@@ -124,28 +105,20 @@ class ModelRunner(VerifyStep):
         steps: list[StepRow],
         capture: bool,
         whole_step: bool = False,
-        uncaptured: frozenset[int] = frozenset(),
         fill: Callable[[StepState], None] | None = None,
-        beside: Callable[[], None] | None = None,
     ) -> list[list[int]] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
-        Returns the argmax of every real row per request, and stages the rows of every request but those in
-        `uncaptured` when `capture` (`whole_step`: a decode plan's, one row per request, staged in one call);
-        `beside()` queues work to overlap the graph once it is queued (shadow drafts)."""
+        Returns the argmax of every real row per request, and stages every row when `capture` (`whole_step`:
+        a decode plan's, one row per request, staged in one call)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
             return None
         # a graph with taps writes every row's tap features into the store at its slots
         g = runner.run(steps, fill=fill)
-        if beside is not None:
-            beside()
         lens = [len(s.tokens) for s in steps]
         total = sum(lens)
         if capture and self.proposer is not None:
-            rows = [(s.req_id, s.start, n) for s, n in zip(steps, lens)]
-            self._stage([r for r in rows if r[0] not in uncaptured] if uncaptured else rows, whole_step)
-        if self.while_waiting is not None:
-            self.while_waiting()
+            self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
         self.timings["sync_wait_s"] += time.perf_counter() - t
@@ -251,7 +224,10 @@ class ModelRunner(VerifyStep):
 
     @torch.inference_mode()  # graph buffers are inference tensors wherever they were first made
     def execute(self, plan: Plan) -> StepResult:
+        """Run a plan. The result's `seconds` (and a verify's `draft_seconds`) are set when the step is a cost
+        sample: it captured no graph (a capture takes far longer than the step)."""
         t0 = time.perf_counter()
+        captures = self.graph_captures()
         if isinstance(plan, PrefillPlan):
             reqs = plan.requests
             spans = [(r.request_id, 0, len(r.prompt_ids)) for r in reqs]
@@ -267,34 +243,24 @@ class ModelRunner(VerifyStep):
             self._sync()
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
+        result = self._decode(plan) if isinstance(plan, DecodePlan) else self._verify(plan)
         if isinstance(plan, DecodePlan):
-            result = self._decode(plan)
-            if plan.shadow:
-                assert self.proposer is not None
-                result.shadow_drafts = self.shadow.read(self.proposer, list(plan.shadow))
-            self.timings["shadow_s" if plan.shadow else "decode_s"] += time.perf_counter() - t0
-            return result
-        return self._verify(plan)
+            self.timings["decode_s"] += time.perf_counter() - t0
+            result.seconds = time.perf_counter() - t0
+        if self.graph_captures() != captures:
+            result.seconds = result.draft_seconds = None
+        return result
 
     def _decode(self, plan: DecodePlan) -> StepResult:
-        """A decode step; a shadow probe's drafts are queued beside its graph (read by execute)."""
-        reqs, shadow, proposer = plan.requests, plan.shadow, self.proposer
-        beside = None
-        if shadow and proposer is not None:
-            self.shadow.begin()
-            beside = functools.partial(self.shadow.launch, proposer, list(shadow))
-        # a step that captures nothing runs the decode graph without taps when the engine has one
-        kind = "decode" if plan.capture or "decode_plain" not in self.graphs else "decode_plain"
+        reqs = plan.requests
         graphed = (
             None
             if any(r.params.logprobs for r in reqs)
             else self._replay(
-                kind,
+                "decode",
                 [StepRow(r.request_id, r.committed_len, [r.output_ids[-1]], r.committed_len + 1) for r in reqs],
                 capture=plan.capture,
                 whole_step=plan.capture,
-                uncaptured=plan.uncaptured,
-                beside=beside,
             )
         )
         if graphed is not None:
@@ -303,7 +269,7 @@ class ModelRunner(VerifyStep):
         a, t = self._run(
             [[r.output_ids[-1]] for r in reqs],
             spans,
-            [plan.capture and r.request_id not in plan.uncaptured for r in reqs],
+            [plan.capture] * len(reqs),
             [range(1)] * len(reqs),
             [r.params.logprobs for r in reqs],
             whole_step=plan.capture,

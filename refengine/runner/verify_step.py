@@ -1,7 +1,7 @@
 """A verify step (a mixin of ModelRunner, refengine/runner/model_runner.py): the drafts of the requests that
 draft (span > 1) are launched on the device and handed to the verify graph there (runner/draft_handoff.py),
 or proposed on the host and verified eagerly when no graph fits; the step's time is split into draft and
-verify (VerifyClock) for the adaptive policy's cost curves and each request's stats."""
+verify (VerifyClock) for the span policy's cost table and each request's stats."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class VerifyStep:
         items = [
             DraftItem(r.request_id, r.output_ids[-1], start, span) for r, (_, start, span) in zip(plan.requests, view)
         ]
-        drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1 (adaptive): no drafts, no draft cost
+        drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1: a plain row, no draft
         drafts: list[list[int]] = [[] for _ in items]
         launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting else None
         if drafting and launched is None:
@@ -52,7 +52,6 @@ class VerifyStep:
             kind,
             [StepRow(rid, start, toks, start + span) for (rid, start, span), toks in zip(view, tokens)],
             capture=True,
-            uncaptured=plan.uncaptured,
             fill=draft_fill(launched) if launched is not None else None,
         )
         if launched is not None:  # the drafts, read back after the verify's own results (no second wait)
@@ -62,11 +61,11 @@ class VerifyStep:
             a = graphed
         else:  # no verify graph fits: the eager forward, on the real drafts
             tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
-            captured = [rid not in plan.uncaptured for rid, _, _ in view]
-            a, _ = self._run(tokens, view, captured, [range(s) for _, _, s in view], [0] * len(view))
+            a, _ = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
             self._sync()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
-        self.timings["catch_up_s"] += getattr(self.proposer, "take_catch_up", lambda: 0.0)()
+        catch_up_s = getattr(self.proposer, "take_catch_up", lambda: 0.0)()
+        self.timings["catch_up_s"] += catch_up_s
         draft_s, verify_s = clock.split()
         self.timings["draft_s"] += draft_s
         self.timings["verify_s"] += verify_s
@@ -74,4 +73,8 @@ class VerifyStep:
         for r in plan.requests:  # attribute the step's time evenly to the requests that shared it
             r.spec.draft_s += draft_s / n
             r.spec.verify_s += verify_s / n
-        return StepResult(a, drafts=drafts)
+        # the policy's sample leaves the catch-up out: context carried past a prompt or span-1 steps is
+        # projected once whatever the spans, so it is no cost of this step's choice
+        return StepResult(
+            a, drafts=drafts, seconds=draft_s + verify_s - catch_up_s, draft_seconds=max(draft_s - catch_up_s, 0.0)
+        )

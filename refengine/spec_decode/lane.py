@@ -103,7 +103,7 @@ class DFlashLane(LaneDraft):
 
     def pending_rows(self, req_id: int) -> int:
         """Committed rows not projected yet: a draft of the request projects them first (more than B: a
-        catch-up, _catch_up), what the adaptive policy prices and learns as C(rows)."""
+        catch-up, _catch_up)."""
         return self._ctx[req_id].pending_rows
 
     def persistent_bytes(self) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-import refengine.scheduler_commit as scheduler_module  # where the commit calls build_verify_results
+import refengine.scheduler.commit as scheduler_module  # where the commit calls build_verify_results
 from golden.gates import MARGIN_TOL, first_divergence_regret_gate
 from refengine.spec_decode.accept import VerifyResult, build_verify_results
 from tests.adapter import cpu_engine, greedy, score_sequences

@@ -2,8 +2,8 @@
 feature store when the lane's append_pending_context / append_pending_step commits it, via
 tests/adapter.FeatureRecorder) equals HF's tap-layer outputs for that request's own tokens
 (golden.hf_reference.target_features), row by row, within golden.gates.FEATURE_REL_TOL: rows from a prefill
-alone, from a batched prefill of several requests, and from verify commits; and in adaptive mode from plain
-decode steps (every span 1: one staged step, a row per request).
+alone, from a batched prefill of several requests, and from verify commits; and from decode steps of
+drafting requests at span 1 (one staged step, a row per request).
 Every request hands over exactly its committed length of rows. Teeth: a tap layer off by one, a batched
 prefill handing each request its neighbour's rows, verify rows shifted by one, and a decode step's rows
 rotated between requests each fail the check at the right position and source (all keep outputs lossless;
@@ -14,7 +14,6 @@ Run: pytest tests/golden/test_target_features.py
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 
@@ -35,6 +34,7 @@ from tests.adapter import (
     cpu_engine,
     first_divergence,
 )
+from tests.span_policies import every_third_drafts
 
 BUDGETS = [40, 17, 33, 40, 5, 24, 16]
 
@@ -101,9 +101,8 @@ def test_features_handed_to_the_drafter_equal_hf(model_pair):
 
 
 def _two_plain_steps_per_draft(engine) -> None:
-    """Adaptive mode with its choice forced: two plain decode steps (every span 1), then a drafting one."""
-    policy, steps, b = engine.scheduler.policy, itertools.count(), engine.proposer.block_size
-    policy.choose = lambda ids, remaining: [b] * len(ids) if next(steps) % 3 == 2 else [1] * len(ids)
+    """The span policy replaced: two plain decode steps (every span 1), then a drafting one."""
+    engine.span_policy = engine.scheduler.policy = every_third_drafts(engine.proposer.block_size)
 
 
 def assert_adaptive_reports_pass(reports, labels) -> None:
@@ -117,13 +116,11 @@ def assert_adaptive_reports_pass(reports, labels) -> None:
 
 
 def test_adaptive_plain_steps_hand_the_drafter_hf_features(model_pair):
-    assert_adaptive_reports_pass(*feature_reports(model_pair, _two_plain_steps_per_draft, speculation="adaptive"))
+    assert_adaptive_reports_pass(*feature_reports(model_pair, _two_plain_steps_per_draft))
 
 
 def test_feature_check_fails_on_rotated_decode_step_rows(trained_pair):
-    reports, labels = feature_reports(
-        trained_pair, _two_plain_steps_per_draft, break_decode_step_rows_rotated, speculation="adaptive"
-    )
+    reports, labels = feature_reports(trained_pair, _two_plain_steps_per_draft, break_decode_step_rows_rotated)
     for rep in reports:
         print(rep)
     bad = [i for i, rep in enumerate(reports) if not rep.passed]

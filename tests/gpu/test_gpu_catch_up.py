@@ -1,6 +1,6 @@
-"""The lane's catch-up flush on the graph path (CUDA, marked `gpu`): after a plain stretch of an adaptive
-engine, the first draft projects the stretch's pending context rows before its graph (catch-up graphs); that time is
-recorded apart (runner.timings["catch_up_s"]) and handed to the adaptive policy apart from the draft time, while
+"""The lane's catch-up flush on the graph path (CUDA, marked `gpu`): after a stretch of span-1 steps, the first
+draft projects the stretch's pending context rows before its graph (catch-up graphs); that time is recorded
+apart (runner.timings["catch_up_s"]) and left out of the draft time the span policy's report carries, while
 steady drafts (at most B pending rows, projected inside the draft graph) record none.
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_catch_up.py
@@ -11,25 +11,18 @@ from __future__ import annotations
 import pytest
 
 from refengine import SamplingParams
-from tests.adapter import gpu_engine, record_draft_costs
+from tests.adapter import gpu_engine
+from tests.span_policies import ScriptedSpans
 
 pytestmark = pytest.mark.gpu
 B = 16
 
 
 def test_gpu_catch_up_after_a_plain_stretch_is_timed_apart(trained_pair):
-    engine = gpu_engine(trained_pair.target, trained_pair.draft, graph_mode="full", speculation="adaptive")
+    policy = ScriptedSpans(B, lambda step, ids, rem: [1] * len(ids) if step < 40 else [B] * len(ids))
+    engine = gpu_engine(trained_pair.target, trained_pair.draft, graph_mode="full", span_policy=policy)
     engine.capture_graphs()  # a step that captures a graph is no cost sample: capture them all first
-    policy, runner = engine.scheduler.policy, engine.runner
-    assert policy is not None
-    step = {"n": 0}
-
-    def choose(ids, remaining):
-        step["n"] += 1
-        return [1] * len(ids) if step["n"] <= 40 else [B] * len(ids)  # 40 plain steps, then drafts
-
-    policy.choose = choose  # type: ignore[method-assign]
-    samples = record_draft_costs(engine)
+    runner = engine.runner
     engine.add_request(list(range(5, 69)), SamplingParams(max_tokens=40 + 6 * B, ignore_eos=True))
     per_step = []
     while engine.has_work():
@@ -41,4 +34,10 @@ def test_gpu_catch_up_after_a_plain_stretch_is_timed_apart(trained_pair):
     (first_draft, first_catch_up), *steady = drafting
     assert first_catch_up > 0, f"the draft after 40 plain steps recorded no catch-up: {drafting[:3]}"
     assert all(c == 0 for _, c in steady), f"steady drafts recorded catch-up: {steady}"
-    assert samples and samples[0] == (first_draft, first_catch_up), (samples[0], first_draft, first_catch_up)
+    reports = [rep for rep in policy.reports if max(rep.spans) > 1]
+    first = reports[0]
+    assert first.draft_seconds is not None and abs(first.draft_seconds - (first_draft - first_catch_up)) < 1e-9, (
+        first.draft_seconds,
+        first_draft,
+        first_catch_up,
+    )

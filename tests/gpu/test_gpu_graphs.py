@@ -2,10 +2,9 @@
 the eager engine, gated by the first-divergence regret gate (bf16 tie flips pass, real bugs do not):
 
 - plain decode and DFlash in `piecewise` and `full` mode, concurrency 1..32 with staggered budgets;
-- adaptive speculation with random spans per request per step (mixed spans replay verify shapes of 2..B
-  rows per request; all-span-1 steps the decode graph with taps), and with requests retired from
-  speculation (span 1, no drafter context; a batch of them replays the decode graph without taps), also
-  from their admission by a dormant policy (their prefill captures nothing);
+- random spans per request per step (mixed spans replay verify shapes of 2..B rows per request; all-span-1
+  steps the decode graph with taps), and GoodputSpans (speculation="adaptive") on the bench's tau1.0
+  profile (nothing accepted: it falls back to span 1) and with the real drafter;
 - the feature store: what the graphs write there and the drafter reads equals HF's tap outputs (bf16);
 - the capture-shape rule: a short-budget request captures the verify graph first, a long one replays it
   (lossless), and with the rule switched off (test-only) the same run diverges;
@@ -25,6 +24,7 @@ import pytest
 import torch
 
 from golden.gates import FEATURE_REL_TOL_BF16, MARGIN_TOL, first_divergence_regret_gate
+from refengine import SamplingParams
 from refengine.attention.graph_attention import FlashInferGraphAttention
 from tests.adapter import break_decode_step_rows_rotated, gpu_engine, greedy, score_sequences
 from tests.golden.test_target_features import (
@@ -32,6 +32,7 @@ from tests.golden.test_target_features import (
     assert_adaptive_reports_pass,
     feature_reports,
 )
+from tests.span_policies import ScriptedSpans
 
 pytestmark = pytest.mark.gpu
 B = 16
@@ -84,12 +85,9 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     budgets = [[40, 1, 2, B - 1, B, B + 1, 64][i % 7] for i in range(concurrency)]
     eager = gpu_engine(model_pair.target, graph_mode="eager", max_num_seqs=concurrency)
     baseline = greedy(eager, prompts, budgets)
-    engine = gpu_engine(
-        model_pair.target, model_pair.draft, graph_mode=mode, max_num_seqs=concurrency, speculation="adaptive"
-    )
     rng = random.Random(concurrency)
 
-    def choose(req_ids, remaining):
+    def script(step, req_ids, remaining):
         u = rng.random()
         if u < 0.25:
             return [1] * len(req_ids)
@@ -97,7 +95,13 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
             return [B if rng.random() < 0.15 else 1 for _ in req_ids]
         return [rng.randint(1, B) for _ in req_ids]
 
-    engine.scheduler.policy.choose = choose  # type: ignore[union-attr]
+    engine = gpu_engine(
+        model_pair.target,
+        model_pair.draft,
+        graph_mode=mode,
+        max_num_seqs=concurrency,
+        span_policy=ScriptedSpans(B, script),
+    )
     out = greedy(engine, prompts, budgets)
     engine.check_integrity()
     caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
@@ -108,52 +112,35 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("regime", ["position-one-fails", "plain-regime", "dormant"])
+@pytest.mark.parametrize("profile", ["tau1.0", None])
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime, monkeypatch):
-    """Adaptive requests retired from speculation (position 1 failing everywhere, or a plain regime where it
-    accepts in 30% of blocks; the bench's tau1.0 profile accepting nothing, which commits the target's own
-    greedy token) ride at span 1 without a drafter context, and a batch of them replays the decode graph without
-    taps: same tokens as the eager plain engine (gate). `dormant` (refengine/spec_decode/dormancy.py): most
-    requests are admitted retired (their prefill captures nothing) beside the few probes the work pays for."""
-    from refengine.config import EngineConfig
-    from refengine.engine import Engine
-    from refengine.spec_decode import dormancy
+def test_gpu_goodput_spans_lossless(model_pair, mode, profile):
+    """GoodputSpans with its costs seeded from the captured graphs' timed replays: on the bench's tau1.0
+    profile (every verify accepts nothing and commits the target's own greedy token) it falls back to span 1
+    and replays the decode graph with taps; with the real drafter it chooses as acceptance goes. Same tokens as
+    the eager plain engine (gate), integrity after every step."""
     from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-    from tests.golden.test_lossless_adaptive import _seed_dormant, _seed_plain_regime, _seed_position_one_failing
 
     vocab = 1024 if model_pair.name == "tiny-random" else 4096
     prompts = _prompts(16, [1, 5, 16, 17, 60, 200], seed=5, vocab=vocab)
     budgets = [[40, 3, B + 1, 64][i % 4] for i in range(16)]
     eager = gpu_engine(model_pair.target, graph_mode="eager", max_num_seqs=16)
     baseline = greedy(eager, prompts, budgets)
-    config = EngineConfig(
-        str(model_pair.target),
-        draft_path=str(model_pair.draft),
-        device="cuda",
-        dtype="bfloat16",
-        attention_backend="flashinfer",
-        num_blocks=8192,  # as gpu_engine's
-        graph_mode=mode,
-        max_num_seqs=16,
-        speculation="adaptive",
-    )
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    policy = engine.scheduler.policy
-    assert policy is not None
-    if regime == "dormant":
-        monkeypatch.setattr(dormancy, "DORMANT_SHARE", 0.02)  # (a few requests pay for a probe)
-        _seed_dormant(policy)
-    else:
-        (_seed_plain_regime if regime == "plain-regime" else _seed_position_one_failing)(policy)
-    out = greedy(engine, prompts, budgets)
-    engine.check_integrity()
-    assert policy.retirements == len(prompts), policy.summary()
-    if regime == "dormant":
-        d = policy.summary()["dormant"]
-        assert d["admitted"] > 0 and d["probes"] > 0 and d["admitted"] + d["probes"] == len(prompts), d
-    assert engine.runner.graphs["decode_plain"].replays > 0, "no step replayed the decode graph without taps"
-    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-retired-{regime}")
+    engine = gpu_engine(model_pair.target, model_pair.draft, graph_mode=mode, max_num_seqs=16, speculation="adaptive")
+    if profile is not None:
+        engine.scheduler.acceptance_override = AcceptanceOverride(parse_profile(profile))
+    engine.capture_graphs()
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, budgets)]
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+    stats = engine.span_stats()
+    assert stats["errors"] == 0, stats
+    if profile is not None:
+        spans = {int(k): v for k, v in stats["spans"].items()}
+        assert spans.get(1, 0) > sum(v for k, v in spans.items() if k > 1), f"tau1.0 should mostly decode: {stats}"
+    out = [r.output_ids for r in reqs]
+    failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-goodput-{profile}")
     assert not failures, "\n".join(failures)
 
 
@@ -161,11 +148,11 @@ def test_gpu_adaptive_retired_requests_lossless(model_pair, mode, regime, monkey
 def test_gpu_feature_store_hands_the_drafter_hf_features(trained_pair, mode):
     """The feature store written inside the decode and verify graphs (and by the eager prefill) holds, at the
     rows the drafter reads, HF's tap-layer outputs for the request's own tokens (HF in bf16 on the GPU), within
-    FEATURE_REL_TOL_BF16: prefill rows, verify rows and adaptive plain decode rows (two plain steps, then a
+    FEATURE_REL_TOL_BF16: prefill rows, verify rows and the rows of decode steps at span 1 (two plain steps, then a
     drafting one, so the draft graph both gathers rows in-graph and catches up longer stretches eagerly).
     Teeth: the same run with a decode step's rows rotated between requests fails every request there."""
     kw = dict(make_engine=gpu_engine, hf_dtype=torch.bfloat16, rel_tol=FEATURE_REL_TOL_BF16)
-    kw |= dict(graph_mode=mode, speculation="adaptive")
+    kw |= dict(graph_mode=mode)
     assert_adaptive_reports_pass(*feature_reports(trained_pair, _two_plain_steps_per_draft, **kw))
     broken, _ = feature_reports(trained_pair, _two_plain_steps_per_draft, break_decode_step_rows_rotated, **kw)
     for rep in broken:

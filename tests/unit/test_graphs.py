@@ -18,9 +18,9 @@ import pytest
 from refengine import SamplingParams
 from refengine.runner.graphs import StepRow
 from refengine.runner.shapes import batch_buckets, row_caps
-from refengine.spec_decode.plain_stretch import STRETCH_SAMPLE
 from refengine.spec_decode.proposer import DraftItem
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
+from tests.span_policies import random_spans
 
 B = 16
 
@@ -55,26 +55,26 @@ def test_verify_shapes_fit_the_rows_of_the_step(random_pair):
 def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     """The draft graph's score caps (graph_setup.draft_score_caps): a draft whose largest span is S replays the
     shape that scores rows 1..cap-1 of each block, cap the least of 4, 8, 16 >= S; its drafts are the full
-    shape's first ones; a bucket's caps share its buffers but for the scored rows; the adaptive policy's cost
-    table times each cap (a narrower one keyed (bucket, cap)) and prices a draft by its largest span; the
-    bucket's drafts write their context rows into one host buffer, kept."""
+    shape's first ones; a bucket's caps share its buffers but for the scored rows; the runner's step shapes
+    (the span policy's cost keys) name each cap and every captured shape is timed; the bucket's drafts write
+    their context rows into one host buffer, kept."""
     engine = cpu_engine(
         trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive"
     )
     lane, runner = engine.proposer, engine.runner
     draft = lane.graph
     assert [draft.shape_for(3, 0, s) for s in (2, 4, 5, 8, 9, B)] == [(4, 4), (4, 4), (4, 8), (4, 8), (4, B), (4, B)]
-    assert [runner.draft_score_cap(s) for s in (3, 8, B)] == [4, 8, None]
+    shapes = runner.step_shapes()
+    assert [shapes.draft_cap(s) for s in (3, 8, B)] == [4, 8, B] and shapes.draft_bucket(3) == 4
     assert engine.capture_graphs() > 0
     assert set(draft.graphs) == {(b, c) for b in batch_buckets(4) for c in (4, 8, B)}
     full, short = draft.graphs[(4, B)], draft.graphs[(4, 4)]
     assert full.buffers.hidden.data_ptr() == short.buffers.hidden.data_ptr(), "a bucket's caps share buffers"
     assert (short.buffers.argmax.numel(), full.buffers.argmax.numel()) == (4 * 3, 4 * (B - 1))
-    cost = engine.scheduler.policy.cost  # type: ignore[union-attr]
-    assert {(4, 4), (4, 8), 4} <= set(cost.tables["draft"]), sorted(map(str, cost.tables["draft"]))
-    assert "(4, 4)" in engine.scheduler.policy.summary()["cost_table_ms"]["draft"]  # type: ignore[union-attr]
-    cost.tables["draft"][(4, 4)] = 1e-3
-    assert cost.draft_s(3, 4) == 1e-3 and cost.draft_s(3, 3) == 1e-3 and cost.draft_s(3, B) == cost.tables["draft"][4]
+    timed = {(c.kind, c.bucket, c.cap) for c in runner.shape_costs()}
+    assert {("draft", 4, 4), ("draft", 4, 8), ("draft", 4, B)} <= timed, sorted(timed)
+    table = engine.span_policy.costs.table  # type: ignore[union-attr]  (GoodputSpans, seeded by the timings)
+    assert table[("draft", 4, 4)] > 0 and ("verify", 4, 2) in table and ("decode", 4, 1) in table, sorted(table)
     reqs = [engine.add_request([5, 7, 9 + i], SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(3)]
     engine.step()  # the prefill
 
@@ -220,37 +220,29 @@ def test_dropped_engine_frees_its_pools_without_a_gc_pass(trained_pair, mode):
 
 
 def test_steps_that_capture_a_graph_are_not_cost_samples(trained_pair):
-    """The adaptive policy fits step costs on the runner's timings; a step that captured a graph took far longer
-    than its shape costs, so it is skipped. After capture_graphs() (bench, serve) every step is a sample."""
+    """The span policy's cost samples are the steps' measured times; a step that captured a graph took far longer
+    than its shape costs, so its report carries no time. After capture_graphs() (bench, serve) every step is a
+    sample."""
     for warm in (False, True):
+        policy = random_spans(B, seed=1)
         engine = cpu_engine(
-            trained_pair.target, trained_pair.draft, graph_mode="piecewise", max_num_seqs=4, speculation="adaptive"
+            trained_pair.target, trained_pair.draft, graph_mode="piecewise", max_num_seqs=4, span_policy=policy
         )
         if warm:
             assert engine.capture_graphs() > 0
-        policy = engine.scheduler.policy
-        assert policy is not None
-        sampled, observe = [0], policy.observe_step
-
-        def counted(*args, sampled=sampled, observe=observe):  # a stretch's sample counts as its steps
-            sampled[0] += args[7] if len(args) > 7 else 1
-            return observe(*args)
-
-        policy.observe_step = counted  # type: ignore[method-assign]
         before = engine.runner.graph_captures()
         greedy(engine, [[5, 7, 9]], 30)
-        fits = sampled[0]
-        steps = engine.scheduler.plan_counts["verify"] + engine.scheduler.plan_counts["decode"]
+        timed = sum(rep.seconds is not None for rep in policy.reports)
+        untimed = len(policy.reports) - timed
         captured = engine.runner.graph_captures() - before
-        # cold: only the steps that captured a graph are skipped (with the rest of a stretch's window of
-        # STRETCH_SAMPLE steps when one did), not the steps after them (a plain stretch plans without the
-        # scheduler's per-plan capture count)
-        ok = (fits == steps) if warm else (0 < steps - fits <= captured * STRETCH_SAMPLE)
-        assert ok, f"warm={warm}: {fits} steps sampled, {steps} steps, {captured} graphs captured during the run"
+        ok = untimed == 0 if warm else 0 < untimed <= captured
+        assert ok, f"warm={warm}: {untimed} of {len(policy.reports)} steps untimed, {captured} graphs captured"
+        verify = [rep for rep in policy.reports if rep.seconds is not None and max(rep.spans) > 1]
+        assert verify and all(0 <= rep.draft_seconds <= rep.seconds for rep in verify)  # type: ignore[operator]
 
 
 def test_timing_the_shapes_touches_no_request(trained_pair):
-    """capture_graphs times every shape's replay (the adaptive policy's start-up cost table) on the dummy
+    """capture_graphs times every shape's replay (the span policy's start-up cost table) on the dummy
     pages: called mid-run, with live requests' KV and drafter context in the pools, the outputs stay exact."""
     prompts, budgets = [[5, 7, 9], [11, 12, 13, 14, 15]], [40, 33]
     want = greedy(cpu_engine(trained_pair.target), prompts, budgets)
@@ -261,11 +253,11 @@ def test_timing_the_shapes_touches_no_request(trained_pair):
     for _ in range(4):
         engine.step()
     assert engine.capture_graphs() > 0
-    policy = engine.scheduler.policy
-    assert policy is not None
-    tables = policy.cost.tables
-    assert tables["plain"] and tables["draft"] and len(tables["verify"]) == len(engine.runner.graphs["verify"].graphs)
-    assert all(t > 0 for kind in tables.values() for t in kind.values())
+    timed = engine.runner.shape_costs()
+    kinds = {c.kind for c in timed}
+    verify = [c for c in timed if c.kind == "verify"]
+    assert kinds == {"decode", "verify", "draft"} and len(verify) == len(engine.runner.graphs["verify"].graphs)
+    assert all(c.seconds > 0 for c in timed)
     while engine.has_work():
         engine.step()
         engine.check_integrity()

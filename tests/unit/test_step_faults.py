@@ -4,8 +4,9 @@ staging, in the drafter-context allocation at admission, or a malformed result, 
 and finish with FinishReason.ERROR (the exception in the message) if their second step fails too. A fault
 inside commit finishes the plan's unfinished requests with ERROR. In every case step() does not raise, every
 other request produces exactly its bs=1 output, new requests are served, integrity holds after every step
-(conftest) and the pool drains to fully free. The same around adaptive requests retired from speculation. A
-failing adaptive choice decodes that step plainly and the engine goes on.
+(conftest) and the pool drains to fully free. The same in steps of random spans (verifies with span-1 rows,
+decode steps of drafting requests). A span policy whose choice raises or breaks its bounds decodes that step
+plainly and the engine goes on.
 Also: check_integrity names the disagreements it must catch.
 
 Run: python -m pytest -q tests/unit/test_step_faults.py
@@ -18,9 +19,9 @@ import pytest
 from refengine import FinishReason, RequestStatus, SamplingParams
 from refengine.errors import IntegrityError, StepError
 from refengine.plan import StepResult
-from refengine.spec_decode.step_costs import CostModel
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.faults import FaultInjector
+from tests.span_policies import ScriptedSpans, random_spans
 
 PROMPTS = [[5, 9, 13, 2, 7] * 3, [101, 7, 8] * 6, [3] * 16, [44, 45, 46, 47] * 8]
 BUDGETS = [12, 20, 5, 17]
@@ -48,18 +49,6 @@ def _drain(engine, limit=200):
     assert engine.pool.allocator.num_free == engine.pool.num_blocks, "KV blocks leaked"
     if engine.proposer is not None:
         assert engine.proposer.live_requests() == set(), "drafter contexts leaked"
-
-
-def _adaptive_at_tau1(pair):
-    """An adaptive CPU engine whose verifies accept nothing (the bench's tau1.0 profile: each commits the
-    target's own greedy token, so outputs stay exact), and its policy."""
-    from refengine import Engine, EngineConfig
-    from refengine.spec_decode.acceptance_profile import AcceptanceOverride, parse_profile
-
-    config = EngineConfig(str(pair.target), draft_path=str(pair.draft), device="cpu", speculation="adaptive")
-    engine = Engine(config, acceptance_override=AcceptanceOverride(parse_profile("tau1.0")))
-    assert engine.scheduler.policy is not None
-    return engine, engine.scheduler.policy
 
 
 def _exact(reqs, refs, idx):
@@ -137,94 +126,42 @@ def test_speculative_fault_once_is_lossless(random_pair, refs, point, after):
     _exact(reqs, refs, range(4))
 
 
-@pytest.mark.parametrize("point,at,after", [("decode", 0, False), ("decode", 2, True), ("verify", 0, True)])
-def test_faults_around_retired_requests_are_lossless(random_pair, refs, point, at, after):
-    """Adaptive requests retired from speculation (no drafter context, span 1, rows not captured): a fault in
-    their decode step (plain decode's own) or in the probe step of a newcomer they ride along in (a verify
-    with uncaptured rows) rolls back and retries like any other; the outputs stay exact, their stats
-    complete, nothing leaks."""
-    from tests.golden.test_lossless_adaptive import _seed_position_one_failing
-
-    engine, policy = _adaptive_at_tau1(random_pair)
-    _seed_position_one_failing(policy)
-    policy.cost.plain.updates = policy.cost.verify.updates = 1  # no calibration: probes, then retirement
-    policy._next_explore = 10**9
-    reqs = [_add(engine, i) for i in range(3)]
-    while policy.retirements < 3:  # each probed (a batch under PROBE_SAMPLE), failed, retired
-        engine.step()
+@pytest.mark.parametrize("point,at,after", [("decode", 0, False), ("decode", 2, True), ("verify", 1, True)])
+def test_faults_in_steps_of_random_spans_are_lossless(random_pair, refs, point, at, after):
+    """Random spans (tests/span_policies.py): a fault in a decode step of drafting requests (their features
+    recorded) or in a verify mixing span-1 rows with drafted ones rolls back and is retried like any other."""
+    engine = _engine(random_pair, span_policy=random_spans(16, seed=4, plain_share=0.4))
     inj = FaultInjector(engine, point, at=at, after=after)
-    reqs.append(_add(engine, 3))  # a newcomer: its probe verifies beside the retired requests
+    reqs = [_add(engine, i) for i in range(4)]
     _drain(engine)
-    assert inj.fired == 1 and policy.retirements == 4, (inj.fired, policy.summary())
-    if point == "verify":  # the newcomer's probe, with every unfinished retired request riding along
-        assert len(inj.affected) > 1, f"the failed plan held {sorted(inj.affected)}"
+    assert inj.fired == 1
     _exact(reqs, refs, range(4))
-    steps = [(r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
-    assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
+
+
+class _Unruly(ScriptedSpans):
+    """Full blocks, but step 1 raises, step 3 asks for a span past the block and step 5 for too few spans."""
+
+    def choose(self, req_ids, remaining):
+        self.step += 1
+        if self.step == 1:
+            raise RuntimeError("a bug in the policy")
+        if self.step == 3:
+            return [99] * len(req_ids)
+        if self.step == 5:
+            return [1] * (len(req_ids) - 1)
+        return [min(16, r) for r in remaining]
 
 
 def test_a_failing_policy_choice_decodes_plainly_and_the_engine_goes_on(random_pair, refs):
-    """The adaptive policy's choice runs in the schedule, outside the step's transaction: an exception there (a
-    bug in it) used to stop the engine. Now that step decodes plainly (spans never change a greedy output), the
-    failure is logged and counted, and the engine goes on: outputs exact, nothing leaks."""
-    engine, policy = _adaptive_at_tau1(random_pair)
-    # costs fixed (no calibration, no learning from this CPU's timings) with plain winning: every new request's
-    # first choice probes it. On learnt CPU costs whether a choice probed depended on the timings (in 3 of 6 runs
-    # none did, and no choice failed)
-    fixed = CostModel.linear(20e-3, 1e-5, 8e-6, 1.2e-3, 7e-5, p0=4.6e-3, p1=1.2e-5)
-    policy.cost.verify, policy.cost.draft, policy.cost.plain = fixed.verify, fixed.draft, fixed.plain
-    policy.cost.plain.updates = policy.cost.verify.updates = 1
-    policy.observe_step = lambda *a, **k: None  # type: ignore[method-assign]
-    policy.cost.observe_host = lambda *a, **k: None  # type: ignore[method-assign]
-    policy._next_explore = 10**9
-    choose, calls, left_probed, probing = policy.choose, [0], [], [0]
-
-    def sometimes_broken(req_ids, remaining):
-        calls[0] += 1
-        spans = choose(req_ids, remaining)  # (its state changed, as a choice failing late leaves it)
-        probing[0] += bool(policy.probed)
-        if policy.probed and policy.errors < 2:  # the first two choices that probe someone fail
-            raise KeyError(12345)  # as a released drafter context's lookup did (twenty-third session)
-        return spans
-
-    sched_choose = engine.scheduler._choose
-
-    def watched(spec, remaining):
-        errors = policy.errors
-        spans = sched_choose(spec, remaining)
-        if policy.errors > errors:
-            left_probed.append(list(policy.probed))  # a failed choice's probes, left for shadowable to read
-        return spans
-
-    policy.choose = sometimes_broken  # type: ignore[method-assign]
-    engine.scheduler._choose = watched  # type: ignore[method-assign]
+    """The span policy's choice runs in the schedule, outside the step's transaction: a choice that raises, or
+    gives spans outside 1..min(B, remaining) or of the wrong count, is logged and counted (span_stats' errors)
+    and that step decodes plainly; the outputs stay exact and nothing leaks."""
+    policy = _Unruly(16, lambda *a: [])
+    engine = _engine(random_pair, span_policy=policy)
     reqs = [_add(engine, i) for i in range(4)]
     _drain(engine)
-    assert policy.errors == 2 and policy.summary()["errors"] == 2, (calls, policy.summary()["errors"])
-    assert left_probed == [[], []], f"probes left after failed choices: {left_probed}"
-    assert probing[0] >= 3, f"{probing[0]} choices probed: the failed choices' requests were not probed again"
+    assert engine.span_stats()["errors"] == 3, engine.span_stats()
     _exact(reqs, refs, range(4))
-
-
-def test_prefill_fault_undoes_a_dormant_admission(random_pair, refs):
-    """A dormant adaptive policy (refengine/spec_decode/dormancy.py) retires new requests as they are admitted;
-    a prefill that fails takes that back with the rest of the admission (no retired request waits, the
-    scheduler's stats hold nothing for them), and the retry admits them again: exact outputs, nothing leaks."""
-    from tests.golden.test_lossless_adaptive import _seed_dormant
-
-    engine, policy = _adaptive_at_tau1(random_pair)
-    _seed_dormant(policy)
-    inj = FaultInjector(engine, "prefill", at=0, after=True)
-    reqs = [_add(engine, i) for i in range(3)]
-    assert engine.step() == [] and inj.fired == 1
-    assert policy.dormancy.admitted == 3, policy.summary()["dormant"]
-    assert policy.retired == set() and engine.scheduler.retired_at == {}, "a failed admission holds no retirement"
-    assert [r.request_id for r in engine.scheduler.waiting] == [0, 1, 2]
-    _drain(engine)
-    assert policy.dormancy.admitted == 6 and policy.retirements == 6, policy.summary()
-    _exact(reqs, refs, range(3))
-    steps = [(r.spec.verify_steps, len(r.output_ids) - 1) for r in reqs]
-    assert all(v == n for v, n in steps), f"stats (steps, decoded) per request: {steps}"
 
 
 def test_commit_fault_errors_only_its_plan(random_pair, refs):
@@ -297,13 +234,6 @@ def test_check_integrity_names_each_disagreement(random_pair):
         engine = corrupted(how)
         with pytest.raises(IntegrityError, match=message.replace("[", r"\[").replace("]", r"\]")):
             engine.check_integrity()
-    adaptive = _engine(random_pair, speculation="adaptive")
-    _add(adaptive, 0)
-    adaptive.step()
-    assert adaptive.scheduler.policy is not None
-    adaptive.scheduler.policy.sample.retired.add(7)  # a retirement the scheduler never took, of no live request
-    with pytest.raises(IntegrityError, match=r"retired from speculation: the policy holds \[7\]"):
-        adaptive.check_integrity()
 
 
 def test_score_raises_step_error_and_leaves_nothing_behind(random_pair):

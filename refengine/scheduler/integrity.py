@@ -2,23 +2,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from refengine.errors import IntegrityError
-from refengine.kv.pool import blocks_for
-from refengine.request import RequestStatus
-
-if TYPE_CHECKING:
-    from refengine.scheduler import Scheduler
+from refengine.kv.pool import KvPool, blocks_for
+from refengine.request import Request, RequestStatus
+from refengine.spec_decode.proposer import Proposer
 
 
-def check_scheduler_integrity(sched: Scheduler) -> None:
+class SchedulerState(Protocol):
+    """What the check reads of the Scheduler."""
+
+    pool: KvPool
+    proposer: Proposer | None
+    running: list[Request]
+
+    @property
+    def waiting(self) -> Sequence[Request]: ...
+
+    def speculates(self, req: Request) -> bool: ...
+
+
+def check_scheduler_integrity(sched: SchedulerState) -> None:
     """Scheduler, pool and proposer agree (between steps): each live request is queued once with the
     matching status; every running request has a table covering exactly its committed length; nothing
     (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
-    running, waiting ones included; every speculating request's drafter context matches its KV; the
-    requests retired from speculation are running, and the policy and the scheduler agree on them and on the
-    shadow probes awaiting an answer; the policy keeps admission budgets for running requests only."""
+    running, waiting ones included; the proposer holds exactly the drafting requests, and each one's drafter
+    context matches its KV."""
     sched.pool.check_integrity()
     running = {r.request_id: r for r in sched.running}
     waiting = {r.request_id: r for r in sched.waiting}
@@ -52,22 +63,6 @@ def check_scheduler_integrity(sched: Scheduler) -> None:
         live = sched.proposer.live_requests()
         if live != spec:
             raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
-        policy = sched.policy
-        if policy is not None and (policy.retired - running.keys() or set(sched.retired_at) != policy.retired):
-            raise IntegrityError(
-                f"retired from speculation: the policy holds {sorted(policy.retired)}, the scheduler's stats "
-                f"{sorted(sched.retired_at)}, running {sorted(running)}"
-            )
-        if policy is not None and policy.budgets.keys() - running.keys():
-            raise IntegrityError(
-                f"the policy keeps budgets for requests {sorted(policy.budgets.keys() - running.keys())}, "
-                f"running {sorted(running)}"
-            )
-        if policy is not None and (policy.in_flight != sched.shadows.open.keys() or policy.in_flight - running.keys()):
-            raise IntegrityError(
-                f"shadow probes: the policy awaits {sorted(policy.in_flight)}, the scheduler holds "
-                f"{sorted(sched.shadows.open)}, running {sorted(running)}"
-            )
         for rid in spec:
             rows = sched.proposer.context_rows(rid)
             if rows != sched.pool.seq_len[rid]:

@@ -1,4 +1,4 @@
-"""Undoing a failed step (the policy is in refengine/scheduler.py's docstring): rollback() for a plan whose
+"""Undoing a failed step (the policy is in scheduler/scheduler.py's docstring): rollback() for a plan whose
 execution failed, abandon() for a failure that cannot be undone. Mixed into the Scheduler."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import deque
 from refengine.kv.pool import KvPool
 from refengine.plan import DecodePlan, Plan, PrefillPlan
 from refengine.request import FinishReason, Request, RequestStatus
-from refengine.spec_decode.adaptive import AdaptivePolicy
+from refengine.span_policy.base import SpanPolicy
 from refengine.spec_decode.proposer import Proposer
 
 MAX_FAILED_STEPS = 2  # a request in this many failed steps finishes with FinishReason.ERROR (1 retry)
@@ -19,8 +19,7 @@ class StepRecovery:
     pool: KvPool
     proposer: Proposer | None
     waiting: deque[Request]
-    policy: AdaptivePolicy | None
-    retired_at: dict[int, int]
+    policy: SpanPolicy | None
     _done: list[Request]
 
     def speculates(self, req: Request) -> bool:
@@ -46,16 +45,13 @@ class StepRecovery:
                 self.pool.release(r.request_id)
                 if self.proposer is not None:
                     self.proposer.release(r.request_id)
-                if self.policy is not None:  # (admitted retired by a dormant policy: asked again on the retry)
+                if self.policy is not None:  # (admitted again on the retry)
                     self.policy.release(r.request_id)
-                    self.retired_at.pop(r.request_id, None)
                 r.status = RequestStatus.WAITING
             self.waiting.extendleft(reversed(plan.requests))
         elif isinstance(plan, DecodePlan):
             for r in plan.requests:
                 self.pool.truncate(r.request_id, r.committed_len)
-            if plan.shadow and self.policy is not None:  # its shadow probes never began: they may be tried again
-                self.policy.in_flight.difference_update(it.req_id for it in plan.shadow)
         else:
             self.pool.revert_schedule(plan.reservation)  # nothing applied: frees every block it allocated
         if not count:

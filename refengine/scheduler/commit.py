@@ -1,0 +1,116 @@
+"""Committing a step's result (the failure policy is in scheduler/scheduler.py's docstring): commit() applies
+a validated result to requests, KV pool and proposer, reports a drafting step to the span policy, then
+releases finished requests and checks the others. Mixed into the Scheduler, over StepRecovery."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from refengine.errors import AlignmentError, IntegrityError
+from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult, VerifyPlan
+from refengine.request import FinishReason, Request
+from refengine.scheduler.recovery import StepRecovery
+from refengine.span_policy.base import SpanPolicy, StepReport
+from refengine.spec_decode.accept import build_verify_results
+from refengine.spec_decode.acceptance_profile import AcceptanceOverride
+
+
+class StepCommit(StepRecovery):
+    # what the Scheduler provides (beyond StepRecovery's)
+    eos_ids: set[int]
+    running: list[Request]
+    span_counts: Counter
+    acceptance_override: AcceptanceOverride | None
+
+    @property
+    def active_policy(self) -> SpanPolicy:
+        raise NotImplementedError
+
+    def _append(self, req: Request, tokens: list[int] | tuple[int, ...]) -> None:
+        for tok in tokens:
+            req.output_ids.append(tok)
+            if tok in self.eos_ids and not req.params.ignore_eos:
+                req.finish(FinishReason.EOS)
+                return
+            if len(req.output_ids) >= req.params.max_tokens:
+                req.finish(FinishReason.LENGTH)
+                return
+
+    def commit(self, plan: Plan, result: StepResult) -> None:
+        """Apply a result the engine validated (plan.validate_result) to requests, pool and proposer."""
+        if isinstance(plan, PrefillPlan):
+            for i, req in enumerate(plan.requests):
+                self.running.append(req)
+                if result.topk:
+                    req.topk.extend(result.topk[i])
+                if plan.capture[i]:
+                    self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
+                self._append(req, [result.argmax[i][-1]])
+        elif isinstance(plan, DecodePlan):
+            if plan.capture:  # drafting requests at span 1: each row's features become drafter context
+                self.active_proposer.commit_step([r.request_id for r in plan.requests])
+                for req in plan.requests:
+                    req.spec.record(1, 1)
+                self.span_counts[1] += len(plan.requests)
+                self._report(plan, [1] * len(plan.requests), [0] * len(plan.requests), result)
+            for i, req in enumerate(plan.requests):
+                if result.topk:
+                    req.topk.extend(result.topk[i])
+                self._append(req, (result.argmax[i][-1],))
+        else:
+            self._commit_verify(plan, result)
+        self._retire_and_check(plan)
+
+    def _commit_verify(self, plan: VerifyPlan, result: StepResult) -> None:
+        ignore = [r.params.ignore_eos for r in plan.requests]
+        if self.acceptance_override is None:
+            results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore)
+        else:  # benchmark-only (refengine bench --acceptance-profile): m drawn from the profile
+            forced = [self.acceptance_override.draw(r.request_id, s) for r, s in zip(plan.requests, plan.spans)]
+            results = build_verify_results(result.drafts, result.argmax, self.eos_ids, ignore, accepted=forced)
+        for (req_id, start, span), req, vr in zip(self.pool.speculative_view(plan.reservation), plan.requests, results):
+            self.pool.apply_speculative(req_id, vr.committed, plan.reservation)
+            self.active_proposer.record_verify_dflash_context(req_id, start, vr.committed)
+            req.spec.record(vr.committed, span)
+            self._append(req, vr.new_tokens)
+        self.pool.revert_schedule(plan.reservation)
+        self.span_counts.update(plan.spans)
+        self._report(plan, plan.spans, [vr.accepted for vr in results], result)
+
+    def _report(self, plan: Plan, spans: list[int], accepted: list[int], result: StepResult) -> None:
+        """The step's outcome to the span policy (before finished requests are released from it)."""
+        report = StepReport(
+            tuple(r.request_id for r in plan.requests),
+            tuple(spans),
+            tuple(accepted),
+            result.seconds,
+            result.draft_seconds,
+        )
+        self.active_policy.observe(report)
+
+    def _retire_and_check(self, plan: Plan) -> None:
+        """Release the plan's finished requests; the others' KV and drafter context must match what they
+        committed (IntegrityError / AlignmentError otherwise: a bug, which the engine turns into abandon())."""
+        finished = [req for req in plan.requests if req.finished]
+        if finished:  # out of `running` in one pass (one at a time is quadratic at a wave's end)
+            gone = {req.request_id for req in finished}
+            self.running = [r for r in self.running if r.request_id not in gone]
+            for req in finished:
+                self._drop(req, queues=False)
+                self._done.append(req)
+        seq_len = self.pool.seq_len
+        # a decode plan needs no drafter check: commit_step appended each row where its request's context ended
+        context_rows = (
+            self.proposer.context_rows if self.proposer is not None and not isinstance(plan, DecodePlan) else None
+        )
+        for req in plan.requests:
+            if req.finished:
+                continue
+            kv = seq_len[req.request_id]
+            if kv != req.committed_len:
+                raise IntegrityError(f"request {req.request_id}: KV length {kv} != committed {req.committed_len}")
+            if context_rows is not None and self.speculates(req) and context_rows(req.request_id) != kv:
+                raise AlignmentError(
+                    f"request {req.request_id}: drafter context rows "
+                    f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"
+                )

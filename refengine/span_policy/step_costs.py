@@ -1,0 +1,63 @@
+"""GoodputSpans' step-cost table: seconds per step shape (kind, batch bucket, cap). Kinds: "decode" (a plain
+step, cap 1), "verify" (the target's forward over the spans, cap = rows per request), "draft" (the drafter's
+block forward, cap = rows a block it scores). Seeded by the captured graphs' timed replays; the first measured
+step of a shape replaces its seed (a replay leaves out the host's work), later ones move it by COST_EMA.
+A shape never timed is priced by a line through its kind's shapes, seconds = a + b * rows (rows = bucket x cap,
+a, b >= 0; one shape known: its cost), so eager steps of new batch sizes are priced from their neighbours.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COST_EMA = 0.2  # weight of a new measurement of a shape already measured (steps vary by a few percent)
+
+Key = tuple[str, int, int]
+
+
+class StepCosts:
+    def __init__(self) -> None:
+        self.table: dict[Key, float] = {}
+        self.measured: set[Key] = set()
+        self._lines: dict[str, tuple[float, float] | None] = {}  # kind -> (a, b), cached until the table changes
+
+    def seed(self, kind: str, bucket: int, cap: int, seconds: float) -> None:
+        if seconds > 0 and (kind, bucket, cap) not in self.measured:
+            self.table[(kind, bucket, cap)] = seconds
+            self._lines.pop(kind, None)
+
+    def observe(self, kind: str, bucket: int, cap: int, seconds: float) -> None:
+        key = (kind, bucket, cap)
+        if seconds <= 0:
+            return
+        if key in self.measured:
+            self.table[key] += COST_EMA * (seconds - self.table[key])
+        else:
+            self.table[key] = seconds
+            self.measured.add(key)
+        self._lines.pop(kind, None)
+
+    def get(self, kind: str, bucket: int, cap: int) -> float | None:
+        """Seconds for the shape; None when no shape of its kind is known yet."""
+        got = self.table.get((kind, bucket, cap))
+        if got is not None:
+            return got
+        if kind not in self._lines:
+            self._lines[kind] = self._fit(kind)
+        line = self._lines[kind]
+        return None if line is None else line[0] + line[1] * bucket * cap
+
+    def _fit(self, kind: str) -> tuple[float, float] | None:
+        pts = [(b * c, s) for (k, b, c), s in self.table.items() if k == kind]
+        if not pts:
+            return None
+        rows = np.array([p[0] for p in pts], dtype=float)
+        secs = np.array([p[1] for p in pts], dtype=float)
+        if len(set(rows.tolist())) < 2:
+            return float(secs.mean()), 0.0
+        b, a = np.polyfit(rows, secs, 1)
+        if b < 0:  # noise: no cost per row
+            return float(secs.mean()), 0.0
+        if a < 0:  # through the origin
+            return 0.0, float((rows @ secs) / (rows @ rows))
+        return float(a), float(b)
