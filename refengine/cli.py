@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from refengine.bench import add_bench_parser
+from refengine.config import SPECULATION_MODES
 from refengine.defaults import add_model_arguments
 from refengine.errors import RefEngineError
 from refengine.memory.cli import add_memory_parser
@@ -50,7 +51,13 @@ def cmd_generate(args) -> int:
     )
     prompt_ids = tok.encode(prompt_text).ids if tok else _parse_ids(prompt_text)
     engine = Engine(
-        EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, dtype=args.dtype)
+        EngineConfig(
+            str(target),
+            draft_path=str(draft) if draft else None,
+            device=device,
+            dtype=args.dtype,
+            speculation=args.speculation,
+        )
     )
     t0 = time.perf_counter()
     (req,) = engine.generate([prompt_ids], params)
@@ -81,6 +88,7 @@ def cmd_generate(args) -> int:
             accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
             draft_ms=round(s.draft_s * 1e3, 2),
             verify_ms=round(s.verify_s * 1e3, 2),
+            speculation=engine.span_stats(),
         )
     print(json.dumps(stats))
     return 0
@@ -108,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--speculation",
+        choices=SPECULATION_MODES,
+        default="fixed",
+        help="span policy: fixed (every drafting step a full block) or adaptive (GoodputSpans: spans per step from "
+        "measured step costs and acceptance; 1 = plain decode). Outputs are the same either way",
+    )
     g.set_defaults(func=cmd_generate)
     add_memory_parser(sub)
     add_bench_parser(sub)
