@@ -128,9 +128,9 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
             acceptance_override=acceptance_override,
         )
-        graphs = build_graphs(config, self.target, self.pool, self.proposer, self.store)
+        graphs, draft_graphs = build_graphs(config, self.target, self.pool, self.proposer, self.store)
         self.runner = ModelRunner(
-            self.target, self.pool, attention, self.proposer, graphs, tp=self.tp, store=self.store
+            self.target, self.pool, attention, self.proposer, graphs, tp=self.tp, store=self.store, draft=draft_graphs
         )
         if self.span_policy is not None:
             self.span_policy.start(self.runner.step_shapes())

@@ -14,6 +14,7 @@ from refengine.memory.reservation import target_kv_bytes_per_block
 from refengine.models.qwen3 import Qwen3Model
 from refengine.runner.capture import Capturer
 from refengine.runner.catch_up_graphs import CatchUpGraphs
+from refengine.runner.draft_graphs import DraftGraphs
 from refengine.runner.graph_setup import build_draft_graph, build_target_graphs
 from refengine.runner.graphs import GraphRunner
 from refengine.spec_decode.feature_store import FeatureStore
@@ -58,17 +59,19 @@ def default_num_blocks(
 
 def build_graphs(
     config: EngineConfig, target: Qwen3Model, pool: KvPool, proposer: Proposer | None, store: FeatureStore | None
-) -> dict[str, GraphRunner]:
-    """The decode / verify graph runners (and the lane's draft and catch-up graphs, set on the lane) unless
-    graph_mode is 'eager'."""
+) -> tuple[dict[str, GraphRunner], DraftGraphs | None]:
+    """The decode / verify graph runners and, for the DFlash lane, its draft and catch-up graphs (made the
+    lane's executor), unless graph_mode is 'eager'."""
     if config.graph_mode_name == "eager":
-        return {}
+        return {}, None
     capturer = Capturer(target.device)
     taps = proposer.capture_layers if proposer is not None else ()
     span = proposer.block_size if proposer is not None else None
     rows = store.rows if store is not None else None
-    if isinstance(proposer, DFlashLane):
-        proposer.graph = build_draft_graph(proposer.drafter, proposer.pool, config, capturer, rows)
-        if store is not None:
-            proposer.catch_up_graphs = CatchUpGraphs(proposer.graph.stack, capturer, store.pool.dummy_slot)
-    return build_target_graphs(target, pool, config, capturer, taps, span, rows)
+    draft = None
+    if isinstance(proposer, DFlashLane) and store is not None:
+        graph = build_draft_graph(proposer.drafter, proposer.pool, config, capturer, rows)
+        catch_up = CatchUpGraphs(graph.stack, capturer, store.pool.dummy_slot)
+        draft = DraftGraphs(graph, catch_up, proposer.pool.dummy_slot, store.pool.dummy_slot)
+        proposer.executor = draft
+    return build_target_graphs(target, pool, config, capturer, taps, span, rows), draft

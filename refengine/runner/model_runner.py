@@ -16,6 +16,7 @@ from refengine.models.segmented import SegmentedStack, StepState
 from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult
 from refengine.runner.catch_up_graphs import CatchUpGraphs
+from refengine.runner.draft_graphs import DraftGraphs
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
 from refengine.runner.verify_step import VerifyStep
@@ -36,10 +37,12 @@ class ModelRunner(VerifyStep):
         graphs: dict[str, GraphRunner] | None = None,
         tp: TensorParallelGroup | None = None,
         store: FeatureStore | None = None,
+        draft: DraftGraphs | None = None,
     ):
         self.tp = tp  # tensor parallel: every target forward's inputs go to the other ranks first
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
+        self.draft_graphs = draft  # the lane's draft and catch-up graphs (its executor), when a graph mode is on
         self.store = store  # tap features by KV slot, with a proposer (spec_decode/feature_store.py)
         # with graphs, steps outside them (prefills, steps no graph fits) run the graphs' segmented stack
         # eagerly: merged weights and fused kernels (a 128-token Qwen3-4B prefill: 10-14 ms on the H200)
@@ -60,8 +63,8 @@ class ModelRunner(VerifyStep):
 
     def _graph_runners(self) -> list[GraphRunner | CatchUpGraphs]:
         """Every graph runner of the engine: the target's decode / verify, the drafter's and its catch-ups'."""
-        lane = [getattr(self.proposer, name, None) for name in ("graph", "catch_up_graphs")]
-        return list(self.graphs.values()) + [g for g in lane if g is not None]
+        draft = self.draft_graphs.runners() if self.draft_graphs is not None else []
+        return [*self.graphs.values(), *draft]
 
     def graph_captures(self) -> int:
         """Graphs captured so far, the drafter's included (a step that captured one took longer than it costs)."""
@@ -75,7 +78,7 @@ class ModelRunner(VerifyStep):
         """How steps are shaped (the span policy's cost keys): the graphs' batch buckets and row caps; a kind
         without graphs runs at the step's own size."""
         decode, verify = self.graphs.get("decode"), self.graphs.get("verify")
-        draft = getattr(self.proposer, "graph", None)
+        draft = self.draft_graphs.graph if self.draft_graphs is not None else None
 
         def caps(runner: GraphRunner | None) -> tuple[int, ...]:
             if runner is None:
@@ -93,7 +96,8 @@ class ModelRunner(VerifyStep):
         """Timed replays of every captured shape (decode, verify, draft): the span policy's start-up costs."""
         out: list[ShapeCost] = []
         runners = (("decode", self.graphs.get("decode")), ("verify", self.graphs.get("verify")))
-        for kind, runner in (*runners, ("draft", getattr(self.proposer, "graph", None))):
+        draft = self.draft_graphs.graph if self.draft_graphs is not None else None
+        for kind, runner in (*runners, ("draft", draft)):
             if runner is not None:
                 for (bucket, cap), s in runner.time_shapes().items():
                     out.append(ShapeCost(kind, bucket, cap, s))

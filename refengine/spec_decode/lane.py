@@ -20,8 +20,7 @@ from refengine.attention.base import AttentionBackend
 from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.models.dflash import DFlashDrafter
-from refengine.runner.catch_up_graphs import CatchUpGraphs
-from refengine.runner.graphs import GraphRunner
+from refengine.spec_decode.draft_executor import DraftExecutor
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.lane_draft import DraftContext, LaneDraft
 
@@ -37,14 +36,10 @@ class DFlashLane(LaneDraft):
         self._ctx: dict[int, DraftContext] = {}
         self._staged: dict[int, tuple[int, int]] = {}  # req -> (first position, rows) of this step
         self._staged_step: tuple[list[int], list[int]] | None = None  # a decode step's (stage_step)
-        self.graph: GraphRunner | None = None  # the draft graph, when a graph mode is on
-        self.catch_up_graphs: CatchUpGraphs | None = None  # with it: projections of pending rows, replayed
+        self.executor: DraftExecutor | None = None  # runs the drafts on graphs, when a graph mode is on
         self._sync_wait_s = 0.0
         self._catch_up_s = 0.0  # catch-up flushes since the last take_catch_up (CPU: host-timed)
         self._catch_up_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA: their events
-        # the draft graph's context rows on the host, by row count: [3, rows] (positions, slots, sources), pinned
-        # on CUDA and rewritten in place (LaneDraft._load_context)
-        self._context_host: dict[int, torch.Tensor] = {}
 
     @classmethod
     def create(

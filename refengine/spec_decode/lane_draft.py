@@ -16,8 +16,7 @@ from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.errors import AlignmentError
 from refengine.kv.pool import KvPool
 from refengine.models.dflash import DFlashDrafter
-from refengine.runner.catch_up_graphs import CatchUpGraphs
-from refengine.runner.graphs import GraphRunner, StepGraph, StepRow
+from refengine.spec_decode.draft_executor import DraftBlock, DraftExecutor
 from refengine.spec_decode.feature_store import FeatureStore
 from refengine.spec_decode.proposer import DraftItem, LaunchedDrafts
 
@@ -38,13 +37,11 @@ class LaneDraft:
     pool: KvPool
     attention: AttentionBackend
     block_size: int
-    graph: GraphRunner | None
-    catch_up_graphs: CatchUpGraphs | None
+    executor: DraftExecutor | None
     _ctx: dict[int, DraftContext]
     _sync_wait_s: float
     _catch_up_s: float
     _catch_up_events: list[tuple[torch.cuda.Event, torch.cuda.Event]]
-    _context_host: dict[int, torch.Tensor]
 
     def _features(self) -> FeatureStore:
         raise NotImplementedError
@@ -54,10 +51,10 @@ class LaneDraft:
         """Project pending rows (dense ops over many rows at once) into each request's context pages.
 
         Rows go in chunks of at most FLUSH_ROWS so the transient (gathered features, fc output, fp32 norm,
-        per-layer K/V) stays bounded when many long prompts were prefilled before the first draft; with catch-up
-        graphs (a graph mode), in chunks of their largest size, each one replay (runner/catch_up_graphs.py)."""
+        per-layer K/V) stays bounded when many long prompts were prefilled before the first draft; with an
+        executor (a graph mode), in chunks of what its catch-up graphs take, each one replay."""
         chunk: list[tuple[int, int, int]] = []  # (req, first position, end)
-        rows, limit = 0, FLUSH_ROWS if self.catch_up_graphs is None else self.catch_up_graphs.max_rows
+        rows, limit = 0, FLUSH_ROWS if self.executor is None else self.executor.catch_up_rows
         for r in req_ids:
             c = self._ctx[r]
             pos, end = c.length, c.length + c.pending_rows
@@ -78,8 +75,8 @@ class LaneDraft:
         sources = torch.cat([store.pool.slots(r, p, e) for r, p, e in chunk])
         positions = torch.cat([torch.arange(p, e) for _, p, e in chunk])
         slots = torch.cat([self.pool.slots(r, p, e) for r, p, e in chunk])
-        if self.catch_up_graphs is not None:
-            self.catch_up_graphs.project(sources, positions, slots)
+        if self.executor is not None:
+            self.executor.project(sources, positions, slots)
             return
         feats = store.rows.index_select(0, sources.to(store.device))  # [R, F*H]
         positions, slots = positions.to(feats.device), slots.to(feats.device)
@@ -121,24 +118,21 @@ class LaneDraft:
         argmax returned (the runner feeds it to the verify graph on the device). None when no draft graph
         fits the step (nothing is run then). `full_block`: the graph scoring the whole block, not the least
         score cap its spans need."""
-        b = self.block_size
-        steps = [StepRow(it.req_id, it.start, self._block(it), it.start + b) for it in items]
-        if self.graph is None or not self.graph.fits(steps):
+        b, executor = self.block_size, self.executor
+        if executor is None or not executor.fits(len(items)):
             return None
         # Pending context of at most B rows per request (what a verify commits) is gathered from the store
-        # and projected inside the graph; more (a prompt, a plain stretch) is caught up first (_catch_up).
+        # and projected inside the graph; more (a prompt, span-1 steps) is caught up first (_catch_up).
         if any(self._ctx[it.req_id].pending_rows > b for it in items):
             self._catch_up([it.req_id for it in items])
-        pending = [self._take_pending(it.req_id) for it in items]
+        blocks = [self._draft_block(it, self._take_pending(it.req_id)) for it in items]
         self._prepare(items)
         spans = [it.span for it in items]
-        widest = b if full_block else max(spans)
-        g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, items, pending), widest=widest)
-        return LaunchedDrafts(g.buffers.argmax, spans, g.cap - 1)  # the graph scores rows 1..cap-1 a block
+        return executor.draft(blocks, spans, b if full_block else max(spans))
 
     def _catch_up(self, req_ids: list[int]) -> None:
-        """The graph path's flush of more pending rows than the draft graph projects (a prompt, a plain
-        stretch; replays of the catch-up graphs), timed apart (take_catch_up): a switch's cost, not a steady
+        """The graph path's flush of more pending rows than the draft graph projects (a prompt, span-1 steps;
+        replays of the catch-up graphs), timed apart (take_catch_up): a switch's cost, not a steady
         draft's. On CUDA between two events, read once the step has synchronised, so the draft and the verify
         queue behind it without waiting. On the eager path every draft flushes its rows first, and that is
         its cost."""
@@ -175,35 +169,18 @@ class LaneDraft:
         n, c.length, c.pending_rows = c.pending_rows, c.length + c.pending_rows, 0
         return n
 
-    def _load_context(self, graph: StepGraph, items: list[DraftItem], pending: list[int]) -> None:
-        """Request i's n pending rows go to context rows [i*B, i*B + n) of the graph: the graph gathers their
-        features from the store (`sources`: target KV slots) and writes their K/V at `slots`; the other rows
-        write the dummy page. The rows are written into a host buffer kept per row count and copied from there:
-        a new tensor from nested lists cost ~0.3 ms of a c32 step's host time before its draft graph could
-        start, while the device waited (H200, run 128; written in place ~0.04 ms on the dev CPU). Pinned on
-        CUDA (a pageable copy could wait for the catch-up queued before it) and, like StepGraph.staging, safe to
-        rewrite every draft: each step ends by reading its results back (a sync)."""
-        ctx, b = graph.buffers.context, self.block_size
-        assert ctx is not None
+    def _draft_block(self, it: DraftItem, pending: int) -> DraftBlock:
+        """The request's block, after its `pending` context rows (positions, drafter-pool slots, store slots)."""
+        first = it.start - pending
         store = self._features()
-        rows = ctx.positions.shape[0]
-        pos = [0] * rows
-        slots = [self.pool.dummy_slot] * rows
-        sources = [store.pool.dummy_slot] * rows
-        for i, (it, n) in enumerate(zip(items, pending)):
-            if n:
-                first = it.start - n
-                pos[i * b : i * b + n] = range(first, it.start)
-                slots[i * b : i * b + n] = self.pool.slot_list(it.req_id, first, it.start)
-                sources[i * b : i * b + n] = store.pool.slot_list(it.req_id, first, it.start)
-        host = self._context_host.get(rows)
-        if host is None:
-            host = torch.zeros((3, rows), dtype=torch.int64, pin_memory=ctx.positions.is_cuda)
-            self._context_host[rows] = host
-        view = host.numpy()
-        view[0], view[1], view[2] = pos, slots, sources
-        for buf, row in zip((ctx.positions, ctx.slots, ctx.sources), host):
-            buf.copy_(row, non_blocking=True)
+        return DraftBlock(
+            it.req_id,
+            it.start,
+            self._block(it),
+            list(range(first, it.start)),
+            self.pool.slot_list(it.req_id, first, it.start) if pending else [],
+            store.pool.slot_list(it.req_id, first, it.start) if pending else [],
+        )
 
     @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_gpu_adaptive_random_spans_lossless(model_pair, mode, concurrency):
     engine.check_integrity()
     caps = {cap for _, cap in engine.runner.graphs["verify"].graphs}
     assert len(caps) > 1, f"one verify row cap replayed: {caps}"
-    score_caps = {cap for _, cap in engine.proposer.graph.graphs}  # type: ignore[union-attr]
+    score_caps = {cap for _, cap in engine.runner.draft_graphs.graph.graphs}  # type: ignore[union-attr]
     assert len(score_caps) > 1, f"one draft score cap replayed: {score_caps}"
     failures = _regret_failures(eager, prompts, baseline, out, f"{mode}-adaptive-c{concurrency}")
     assert not failures, "\n".join(failures)

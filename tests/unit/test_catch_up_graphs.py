@@ -26,12 +26,12 @@ def _lane(pair, rows: list[int], sizes: tuple[int, ...] | None):
     """A graph-mode CPU engine's lane whose requests carry `rows[i]` pending context rows each, with seeded
     features in the store; `sizes`: its catch-up graphs' row counts (None: the eager projection)."""
     engine = cpu_engine(pair.target, pair.draft, max_num_seqs=4, graph_mode="full")
-    lane = engine.proposer
+    lane, draft = engine.proposer, engine.runner.draft_graphs
     if sizes is None:
-        lane.catch_up_graphs = None
+        lane.executor = None
     else:
-        lane.catch_up_graphs = CatchUpGraphs(
-            lane.graph.stack, Capturer(torch.device("cpu")), engine.store.pool.dummy_slot, sizes
+        draft.catch_up = CatchUpGraphs(
+            draft.graph.stack, Capturer(torch.device("cpu")), engine.store.pool.dummy_slot, sizes
         )
     g = torch.Generator().manual_seed(0)
     for r, n in zip(REQS, rows):
@@ -72,7 +72,7 @@ def test_catch_up_graphs_write_what_the_eager_projection_writes(trained_pair, ro
         changed = set((old != new).view(old.shape[0] * old.shape[1], -1).any(-1).nonzero().flatten().tolist())
         stray = changed - written - dummy_page
         assert not stray, f"K/V tensor {li}: padding wrote slots {sorted(stray)[:8]} outside the dummy page"
-    g = graphed.catch_up_graphs
+    g = engine.runner.draft_graphs.catch_up
     chunks = -(-sum(rows) // 16)  # the flush fills chunks of the largest size across requests
     assert g.replays == chunks, f"{g.replays} replays for {sum(rows)} rows, {chunks} chunks of 16 expected"
     assert engine.runner.graph_captures() >= g.captures > 0, "catch-up captures are not counted"
@@ -80,13 +80,13 @@ def test_catch_up_graphs_write_what_the_eager_projection_writes(trained_pair, ro
 
 def test_catch_up_graphs_capture_all_and_refuse_bad_input(trained_pair):
     engine, lane = _lane(trained_pair, [1, 1, 1], (4, 16))
-    g = lane.catch_up_graphs
+    g = engine.runner.draft_graphs.catch_up
     assert g.capture_all() == 2 and g.capture_all() == 0, "capture_all must capture each size once"
     with pytest.raises(ValueError, match="at most 16"):
         g.project(*(torch.zeros(17, dtype=torch.long) for _ in range(3)))
     for bad in ((16, 4), (4, 4), (0, 4), (64, DRAFT_CONTEXT_FLUSH_ROWS + 1)):
         with pytest.raises(ValueError, match="ascending"):
-            CatchUpGraphs(lane.graph.stack, Capturer(torch.device("cpu")), 0, bad)
+            CatchUpGraphs(engine.runner.draft_graphs.graph.stack, Capturer(torch.device("cpu")), 0, bad)
     assert CATCH_UP_ROWS[-1] <= DRAFT_CONTEXT_FLUSH_ROWS, "the engine's catch-up sizes exceed the billed flush"
     assert engine.runner.capture_graphs() > 0  # the target's and drafter's graphs: none captured yet
     assert engine.runner.capture_graphs() == 0, "a second capture_graphs captured again"

@@ -62,7 +62,7 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
         trained_pair.target, trained_pair.draft, graph_mode="full", max_num_seqs=4, speculation="adaptive"
     )
     lane, runner = engine.proposer, engine.runner
-    draft = lane.graph
+    draft = runner.draft_graphs.graph
     assert [draft.shape_for(3, 0, s) for s in (2, 4, 5, 8, 9, B)] == [(4, 4), (4, 4), (4, 8), (4, 8), (4, B), (4, B)]
     shapes = runner.step_shapes()
     assert [shapes.draft_cap(s) for s in (3, 8, B)] == [4, 8, B] and shapes.draft_bucket(3) == 4
@@ -84,12 +84,12 @@ def test_a_draft_scores_only_the_rows_its_spans_read(trained_pair):
     wide = lane.launch(items(B))
     assert wide is not None and wide.width == B - 1
     got_wide = wide.read()
-    host = lane._context_host[4 * B]  # the bucket's context rows on the host (LaneDraft._load_context)
+    host = runner.draft_graphs._context_host[4 * B]  # the bucket's context rows on the host (DraftGraphs)
     narrow = lane.launch(items(4))
     assert narrow is not None and narrow.width == 3
     got = narrow.read()
     assert got == [d[:3] for d in got_wide], f"score cap 4 drafts {got} against the full shape's {got_wide}"
-    held = lane._context_host
+    held = runner.draft_graphs._context_host
     assert list(held) == [4 * B] and held[4 * B] is host, f"context rows staged anew: {sorted(held)}"
 
 
@@ -178,7 +178,7 @@ def test_graph_modes_lossless_staggered_budgets(model_pair, mode):
         replays = {k: v.replays for k, v in engine.runner.graphs.items()}
         assert replays["decode" if draft is None else "verify"] > 0, f"no graph replayed: {replays}"
         if draft is not None:
-            assert engine.proposer.graph.replays > 0
+            assert engine.runner.draft_graphs.graph.replays > 0
 
 
 def _short_then_long(pair, mode: str, rule: bool) -> tuple[list[list[int]], list[list[int]]]:
