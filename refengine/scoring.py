@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from refengine.errors import InvalidRequestError, StepError
-from refengine.request import FinishReason, SamplingParams
-from refengine.runner.logits import TopK
+from refengine.models.qwen3 import Qwen3Model
+from refengine.plan import TopK
+from refengine.request import FinishReason, Request, SamplingParams
 from refengine.validation import validate_token_ids
 
-if TYPE_CHECKING:
-    from refengine.engine import Engine
+
+class ScoringEngine(Protocol):
+    """What scoring uses of the Engine."""
+
+    target: Qwen3Model
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Request: ...
+
+    def step(self) -> list[Request]: ...
+
+    def abort(self, request_id: int, message: str = ...) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -25,7 +35,7 @@ class ScoredSequence:
 
 
 def score_sequences(
-    engine: Engine, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int
+    engine: ScoringEngine, sequences: Sequence[tuple[Sequence[int], Sequence[int]]], k: int
 ) -> list[ScoredSequence]:
     """Teacher forcing: for each (prompt, continuation), the top-k after every prefix of prompt +
     continuation (one row per position, the last predicting past the sequence). The prompt runs as a
