@@ -70,15 +70,14 @@ class SamplingParams:
 
 @dataclass
 class SpecStats:
-    """Acceptance statistics: tau = committed tokens per verify step (adaptive mode's plain steps count as
-    span-1 steps of one token; while a plain stretch is open, a running request's are written when it closes:
-    refengine/spec_decode/plain_stretch.py; those after it retired from speculation, when it finishes)."""
+    """Acceptance statistics: tau = committed tokens per verify step (a drafting request's span-1 steps count as
+    verify steps of one token)."""
 
     verify_steps: int = 0
     committed_tokens: int = 0
     accepted_hist: Counter = field(default_factory=Counter)  # committed length (m+1) -> steps
     committed_per_step: list[int] = field(default_factory=list)  # per request: tokens committed by each verify
-    span_hist: Counter = field(default_factory=Counter)  # verify span chosen (adaptive: 1..B) -> steps
+    span_hist: Counter = field(default_factory=Counter)  # verify span chosen (1..B) -> steps
     draft_s: float = 0.0
     verify_s: float = 0.0
 

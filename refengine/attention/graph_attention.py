@@ -86,7 +86,7 @@ class FlashInferGraphAttention:
 
     def plan(self, batch: AttnBatch) -> None:
         """Every host array goes through pinned memory, written in place (512 ints: 17 us, against 43 us for
-        a new pinned tensor, H200 host, run 76), and the page indices reach the wrapper as a device tensor:
+        a new pinned tensor, measured on an H200 host), and the page indices reach the wrapper as a device tensor:
         FlashInfer copies pageable or host indices synchronously (a stream sync), which would make a verify's
         plan wait for the draft graph queued before it (runner/draft_handoff.py)."""
         if self.skip_replan and self._planned:

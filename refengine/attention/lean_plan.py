@@ -2,7 +2,7 @@
 outputs for about half the host time.
 
 Why: `BatchPrefillWithPagedKVCacheWrapper.plan` (0.6.3) costs 288 us at a c32 draft's shape on the H200 host,
-~160 us of it two Python `max()` calls that walk its host tensors element by element (run 129). Every graphed
+~160 us of it two Python `max()` calls that walk its host tensors element by element. Every graphed
 step plans before its replay, and before a draft the device waits for it. Its arguments cannot skip that work:
 with `max_token_per_sequence` / `max_sequence_kv` given, it never builds the host arrays its module needs.
 

@@ -1,9 +1,9 @@
 """The drafter lane's catch-up projection as CUDA graphs: context rows a request carried past a prompt or a
-plain stretch (more than the draft graph projects in-graph) -> every drafter layer's K/V, replayed from a few
+run of span-1 steps (more than the draft graph projects in-graph) -> every drafter layer's K/V, replayed from a few
 captured row counts instead of run eagerly.
 
 Why: an eager catch-up cost ~8 ms on the H200 host at Qwen3-4B shapes whatever its rows (0.3 ms of GPU
-work). A torch.profiler trace of a 101-row one (run 42, `.gpu/diag38.py`) put 7.4 ms of CPU time in its
+work). A torch.profiler trace of a 101-row one put 7.4 ms of CPU time in its
 11 GEMMs (cuBLAS meeting a row count it had not seen: every catch-up has a new one) and most of the rest
 in ~100 eager launches. A replay of a captured shape pays neither. Row counts are padded up to the next
 captured size (padding rows read the feature store's dummy row and write the drafter pool's dummy page);
@@ -22,7 +22,7 @@ from refengine.config import DRAFT_CONTEXT_FLUSH_ROWS
 from refengine.models.segmented import ContextInputs, SegmentedStack
 from refengine.runner.capture import Capturer
 
-CATCH_UP_ROWS = (64, 256, 1024)  # captured row counts (run 43, 4B shapes: a 1024-row catch-up 0.87 ms, syncs in)
+CATCH_UP_ROWS = (64, 256, 1024)  # captured row counts (4B shapes: a 1024-row catch-up 0.87 ms, syncs in)
 
 
 class CatchUpGraphs:

@@ -9,7 +9,7 @@ mixing span-1 requests with a few full spans (adaptive speculation) computes abo
 bucket x span. The drafter's blocks are always B rows (its attention within a block is non-causal); its caps
 are score caps instead: a draft graph of cap c scores (LM head + argmax) rows 1..c-1 of each block, the drafts
 a verify of span <= c reads (at Qwen3-4B shapes and c32 the LM head over 15 rows a block is 0.60 ms, over 3
-rows 0.24: docs/PERF.md, twenty-fourth session). Graphs of one bucket share one attention
+rows 0.24 on an H200). Graphs of one bucket share one attention
 wrapper, first planned at the bucket's most rows. Dense segments are captured; attention is replayed from a
 FlashInfer CUDA-graph-mode wrapper re-planned on the host before every replay, either eagerly between the
 segments ("piecewise", the upstream design) or inside one graph ("full").

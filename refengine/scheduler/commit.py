@@ -59,7 +59,7 @@ class StepCommit(StepRecovery):
                 self._append(req, (result.argmax[i][-1],))
         else:
             self._commit_verify(plan, result)
-        self._retire_and_check(plan)
+        self._release_and_check(plan)
 
     def _commit_verify(self, plan: VerifyPlan, result: StepResult) -> None:
         ignore = [r.params.ignore_eos for r in plan.requests]
@@ -88,7 +88,7 @@ class StepCommit(StepRecovery):
         )
         self.active_policy.observe(report)
 
-    def _retire_and_check(self, plan: Plan) -> None:
+    def _release_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they
         committed (IntegrityError / AlignmentError otherwise: a bug, which the engine turns into abandon())."""
         finished = [req for req in plan.requests if req.finished]
