@@ -12,6 +12,9 @@ Per-step columns (ms, per step of that kind):
 Ratios: x_plain_floor = tok/s / (copy bandwidth / target weight bytes), the memory-bound floor of a batch-1
 plain decode step; x_own_ideal (DFlash) = per-request tok/s / (tau * bandwidth / (target + drafter bytes)),
 i.e. against a step that streams both models' weights once and commits tau tokens.
+`spans` (speculating rows): the engine's span policy record (Engine.span_stats: the policy, verify span chosen
+-> request-steps and choices that raised, counted over the run; the policy's own statistics). A run in which a
+policy choice raised fails (BenchError): those steps decoded plainly, so the row would not measure the policy.
 """
 
 from __future__ import annotations
@@ -107,8 +110,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     n = len(prompts)
     budgets = [output_tokens] * n if in_flight is None else steady_budgets(n, in_flight, output_tokens)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
-    policy = engine.scheduler.policy
-    errors_before = policy.errors if policy is not None else 0
+    spans_before = engine.span_stats()
     queue = [(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts, budgets)]
     reqs: list = []
     running: list = []  # steady arrivals: the submitted requests not yet finished
@@ -149,16 +151,17 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     plans = Counter(engine.scheduler.plan_counts)
     plans.subtract(plans_before)
     check_ran(reqs, budgets)
-    if policy is not None and policy.errors > errors_before:
+    spans = run_span_stats(spans_before, engine.span_stats())
+    if spans["errors"]:
         raise BenchError(
-            f"the adaptive policy's choice raised {policy.errors - errors_before} times in this run (those steps "
+            f"the {spans['policy']} span policy's choice raised {spans['errors']} times in this run (those steps "
             "decoded plainly; the engine logged each): a bug, and the row would not measure the policy"
         )
     tokens = sum(len(r.output_ids) for r in reqs)
     stats = SpecStats()
     for r in reqs:
         stats.merge(r.spec)
-    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s", "shadow_s"))
+    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s"))
     return {
         "tokens": tokens,
         "seconds": secs,
@@ -169,6 +172,21 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
         "steps": sum(plans.values()),
         "kind_steps": kinds,
         "kind_wall_s": kind_wall,
+        "spans": spans,
+    }
+
+
+def run_span_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One run's share of Engine.span_stats(): `spans` (verify span chosen -> request-steps) and `errors` (policy
+    choices that raised) counted over the run alone, `policy` and `detail` (the policy's own cumulative
+    statistics) as after it."""
+    spans = Counter({k: int(v) for k, v in after["spans"].items()})
+    spans.subtract({k: int(v) for k, v in before["spans"].items()})
+    return {
+        "policy": after["policy"],
+        "spans": {k: v for k, v in sorted(spans.items(), key=lambda kv: int(kv[0])) if v},
+        "errors": int(after["errors"]) - int(before["errors"]),
+        "detail": after["detail"],
     }
 
 
@@ -213,8 +231,7 @@ def measure_row(
             accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
             span_hist={str(k): v for k, v in sorted(s.span_hist.items())},
         )
-        if engine.scheduler.policy is not None:
-            row["policy"] = engine.scheduler.policy.summary()
+        row["spans"] = r["spans"]  # the span policy's record (Engine.span_stats), this run's counts
     return row
 
 
@@ -242,8 +259,7 @@ def engine_for(
         synthetic_weights=synthetic,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        speculation="adaptive" if mode.startswith("adaptive") else "fixed",
-        shadow_probes=mode == "adaptive-shadow",
+        speculation="adaptive" if mode == "adaptive" else "fixed",
         graph_mode=graph_mode,
         num_blocks=num_blocks,
     )
@@ -261,15 +277,16 @@ def row_label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -
     return "-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter")
 
 
-def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int) -> None:
-    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks. Each
-    run generates `tokens`, the measured runs' length: the adaptive policy learns from these runs, and runs
-    shorter than the measured ones teach it their generations' early blocks only (with 32-token runs the
-    trained tiny pair's population never saw its text loop, and on one H200 every c1 request then retired
-    after its first block while fixed DFlash ran 3.2x plain; docs/PERF.md, run 79)."""
+def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int, in_flight: int | None = None) -> None:
+    """Load the device for `seconds` (untimed runs of `batch`, as run_once submits them: a wave, or `in_flight`
+    at a time) so the first measured row meets its sustained clocks. Each run generates `tokens`, the measured
+    runs' length: the adaptive policy learns from these runs, and runs shorter than the measured ones teach it
+    their generations' early blocks only (with 32-token runs the trained tiny pair's population never saw its
+    text loop, and on the H200 every c1 request then retired after its first block while fixed DFlash ran
+    3.2x plain; docs/PERF.md)."""
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
-        run_once(engine, batch, tokens)
+        run_once(engine, batch, tokens, in_flight)
 
 
 def print_profile(engine, prompts, new_tokens: int, label: str) -> None:
