@@ -3,6 +3,7 @@ side by side (paired.py), prompt sets (prompts.py), the table (report.py), the H
 (plot.py); the cell matrix (--sample-cells: matrix_cli.py, cells.py, matrix.py, verdict.py)."""
 
 from refengine.bench.cli import add_bench_parser, bench
-from refengine.bench.run import BenchError, measure_copy_bandwidth
+from refengine.bench.floors import measure_copy_bandwidth
+from refengine.bench.run import BenchError
 
 __all__ = ["BenchError", "add_bench_parser", "bench", "measure_copy_bandwidth"]

@@ -3,7 +3,7 @@ memory-bound floor; or, with --sample-cells, a seeded random sample of the cell 
 A table on stderr, tqdm progress on stderr, the JSON as the last line of stdout.
 
     refengine bench --concurrency 1,8 --prompts mixed                 # embedded trained tiny pair
-    refengine bench --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \
+    refengine bench --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \\
         --synthetic --acceptance-profile tau1,tau3,tau6.5 --peer hf --plot perf.png --output perf.json
     refengine bench --sample-cells 12                                 # a fresh seed, printed and in the JSON
     refengine bench --sample-cells 2 --seed 1 --pairs tiny            # the tiny pair's cells alone (CPU)
@@ -35,10 +35,11 @@ import json
 import torch
 
 from refengine.bench.cells import PAIRS
+from refengine.bench.floors import measure_copy_bandwidth
 from refengine.bench.matrix_cli import CELL_TOKENS, cmd_matrix
 from refengine.bench.prompts import PROMPT_SETS
 from refengine.bench.report import KEY, print_table
-from refengine.bench.run import BenchError, measure_copy_bandwidth
+from refengine.bench.run import BenchError
 from refengine.bench.suite import MODES, bench
 from refengine.bench.verdict import DEFAULT_BAR
 from refengine.spec_decode.acceptance_profile import parse_profile
@@ -55,7 +56,12 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="throughput and step timings, plain vs DFlash vs adaptive (JSON last line)")
+    p = sub.add_parser(
+        "bench",
+        help="throughput and step timings, plain vs DFlash vs adaptive (JSON last line); --sample-cells: the matrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--target", help="target checkpoint dir or config dir (default: embedded tiny pair)")
     p.add_argument("--draft", help="drafter dir (default with no --target: the embedded drafter)")
     p.add_argument("--synthetic", action="store_true", help="random weights from config.json alone")
@@ -97,7 +103,8 @@ def add_bench_parser(sub) -> None:
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md)",
+        help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md); "
+        "--sample-cells: each pair's engines in a fresh process",
     )
     p.add_argument(
         "--processes",

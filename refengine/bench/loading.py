@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from refengine.bench.floors import drafter_weight_bytes, target_weight_bytes
 from refengine.bench.job import ModeJob
-from refengine.bench.run import drafter_weight_bytes, engine_for, target_weight_bytes
+from refengine.bench.run import engine_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile
 
 

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from refengine.bench.cells import PAIR_SPECS, Cell, matrix, sample_cells
+from refengine.bench.floors import measure_copy_bandwidth
 from refengine.bench.job import STEADY_ROUNDS, ModeJob, job_own_bytes
 from refengine.bench.loading import free_memory, in_fresh_process, load_engine
 from refengine.bench.paired import CONTROL, round_order
 from refengine.bench.report import aggregate
 from refengine.bench.run import (
     BenchError,
-    measure_copy_bandwidth,
     measure_row,
     row_label,
     run_once,

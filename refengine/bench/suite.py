@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from refengine.bench.floors import measure_copy_bandwidth
 from refengine.bench.job import ARRIVALS, STEADY_ROUNDS, ModeJob, job_own_bytes, job_profiles
 from refengine.bench.loading import free_memory, in_fresh_process, load_engine
 from refengine.bench.paired import METHOD_PAIRED, measure_paired
@@ -33,7 +34,6 @@ from refengine.bench.prompts import make_prompts
 from refengine.bench.report import aggregate
 from refengine.bench.run import (
     BenchError,
-    measure_copy_bandwidth,
     measure_row,
     print_profile,
     row_label,
