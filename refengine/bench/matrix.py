@@ -8,18 +8,19 @@ How it runs, and why:
   design: one copy of the target's weights, every graph shape captured at load, a KV pool sized for the
   pair's largest sampled concurrency), and measures all the pair's cells on them in the sample's order; the
   control (a second plain engine) loads the first time one of its cells is paired. Loading per mode and per
-  cell would spend the run on start-ups (a Qwen3-4B-shape speculating engine captures about 90 graph shapes
-  up to c64), and modes in separate processes differ by the noise between processes (5-11% for one plain
+  cell would spend the run on start-ups (a Qwen3-4B-shape speculating engine captures tens of graph shapes up
+  to c64), and modes in separate processes differ by the noise between processes (5-11% for one plain
   engine on the H200, docs/PERF.md), more than the 5% the bar allows. Engines side by side in interleaved
   rounds meet the same chip state in each round; the control shows what that leaves.
 - A cell: the speculating engines draw the cell's acceptance profile (qwen3-4b) or use the drafter's own
-  acceptance (tiny); every engine runs a discarded warm-up of the cell's requests; the adaptive engine then
-  runs the cell's workload (its prompts and arrivals, runs of the measured length) for the cell's settle
-  seconds. With settle 0 it meets the cell with what it learnt from the pair's previous cell: a workload
-  turn, which the sample's random order varies. Then `repeats` rounds, each running plain, dflash and
-  adaptive once in a Williams order (paired.round_order). Where plain's and dflash's medians are within
-  verdict.PAIR_WITHIN of each other, PAIRED_ROUNDS more rounds add the control (one balanced cycle of four
-  engines) and the cell's ratio is paired, round by round (verdict.py).
+  acceptance (tiny); every engine runs a discarded warm-up (a wave of the cell's first c prompts, 16 new
+  tokens each); the adaptive engine then runs the cell's workload (its prompts and arrivals, runs of the
+  measured length) for the cell's settle seconds. With settle 0 it meets the cell with what it learnt from
+  the pair's previous cell and that warm-up alone: a workload turn, which the sample's random order varies.
+  Then `repeats` rounds, each running plain, dflash and adaptive once in a Williams order (paired.round_order).
+  Where plain's and dflash's medians are within verdict.PAIR_WITHIN of each other, PAIRED_ROUNDS more rounds
+  add the control (one balanced cycle of four engines) and the cell's ratio is paired, round by round
+  (verdict.py).
 A policy choice that raised in any run fails the whole bench (run.run_once): that run did not measure the
 policy.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -127,6 +129,7 @@ def run_matrix(
     if not 0 < bar:
         raise BenchError(f"--bar {bar}: a positive ratio (e.g. 0.95)")
     cells = sample_cells(sample, seed, pairs)
+    start = time.perf_counter()
     isolate = device.startswith("cuda") if isolate is None else isolate
     bandwidth = measure_copy_bandwidth(device)
     if device.startswith("cuda"):
@@ -166,6 +169,7 @@ def run_matrix(
         "pair_within": PAIR_WITHIN,
         "steady_rounds": STEADY_ROUNDS,
         "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "seconds": round(time.perf_counter() - start, 1),  # the whole measurement, engine loads included
         "engines": engines,
         "cells": results,
         **summarize(results, bar),
@@ -225,7 +229,7 @@ def measure_pair(job: PairJob) -> dict[str, Any]:
 
 
 def measure_cell(
-    engines: dict[str, Any], load, cell: Cell, j: ModeJob, facts: dict[str, Any]
+    engines: dict[str, Any], load: Callable[[str], None], cell: Cell, j: ModeJob, facts: dict[str, Any]
 ) -> tuple[list[dict[str, float]], dict[str, list[dict[str, Any]]]]:
     """One cell on the pair's engines: its rounds (engine name -> tok/s) and each engine's runs (the module
     docstring). `load(name)` adds an engine (the control, the first time a cell is paired)."""
