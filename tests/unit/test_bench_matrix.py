@@ -1,8 +1,9 @@
 """The cell matrix of `refengine bench --sample-cells` (refengine/bench/cells.py, verdict.py, matrix.py): the
 matrix's size and contents, Cell's validation, sample_cells (deterministic per seed, distinct cells in random
 order, a clear error past the matrix's size), the verdicts on made-up numbers (ratio to the better mode,
-unpaired by medians, paired round by round with the control, the worst cell, the bar), and a CPU smoke of
-`--sample-cells 2 --pairs tiny` asserting the JSON's structure, the settle and the paired branch.
+unpaired by medians, paired round by round with the control, the worst cell, the bar), a pair's job (it pickles
+to a fresh process; its engines sized for its largest concurrency), options the matrix refuses, and a CPU smoke
+of `--sample-cells 2 --seed 15 --pairs tiny` asserting the JSON's structure, the settle and the paired branch.
 
 Run: python -m pytest tests/unit/test_bench_matrix.py -q
 """
@@ -186,6 +187,23 @@ def test_bench_sample_cells_on_the_cpu(capsys, monkeypatch):
     worst = min(res["cells"], key=lambda c: c["ratio"])
     assert res["worst"]["label"] == worst["label"] and res["bar_holds"] == all(c["passes"] for c in res["cells"])
     assert "seed 15" in err and "[1/2] tiny/prose c8 steady settle0" in err and "worst:" in err, err[-1500:]
+
+
+def test_a_pairs_job_pickles_and_sizes_its_engines_for_its_largest_concurrency():
+    """On CUDA each pair's cells run in a fresh process (matrix.measure_pair, spawned): the job and the function
+    must pickle; its engines' KV pool holds the pair's largest sampled concurrency at the run's context."""
+    import pickle
+
+    from refengine.bench.matrix import PairJob, measure_pair
+    from refengine.config import DEFAULT_PAGE_SIZE
+    from refengine.kv.pool import blocks_for
+
+    cells = ((0, Cell("qwen3-4b", "tau3", 8, "wave", 0.0)), (3, Cell("qwen3-4b", "sharegpt", 64, "steady", 15.0)))
+    job = PairJob("qwen3-4b", cells, 4, "cuda", 128, 64, 3, 5, None, 3e12, 0.95)
+    assert pickle.loads(pickle.dumps(job)) == job and pickle.loads(pickle.dumps(measure_pair)) is measure_pair
+    j = job.mode_job()
+    assert j.concurrency == (8, 64) and j.synthetic and j.target.endswith("qwen3-4b"), j
+    assert j.context == 128 + 64 + 16 and j.blocks == 64 * blocks_for(j.context, DEFAULT_PAGE_SIZE), j
 
 
 def test_bench_sample_cells_refuses_options_the_matrix_sets(capsys):
