@@ -35,7 +35,8 @@ from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
 
 class BenchError(RefEngineError):
-    """A bench run is not a measurement: a request was rejected, or a row ran no tokens."""
+    """A bench run is not a measurement: a request was rejected, a row ran no tokens, or a span policy's choice
+    raised; or the bench was asked for something it cannot measure."""
 
 
 def check_ran(reqs: list, output_tokens: int | list[int]) -> None:

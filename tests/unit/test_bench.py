@@ -211,9 +211,9 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
 
 
 def test_bench_settles_with_runs_of_the_measured_length(capsys):
-    """The settle's runs generate --output-tokens, as the measured runs do. With a fixed 32 they overran the
-    engine's context cap (prompt + output tokens + 16) whenever --output-tokens was under 16, and every such
-    bench with a settle (on CUDA, always) failed with a rejected request."""
+    """The settle's runs generate --output-tokens, as the measured runs do: a fixed longer length (32, say) would
+    overrun the engine's context cap (prompt + output tokens + 16) whenever --output-tokens is under 16, and the
+    bench would fail with a rejected request whenever it settles (on CUDA, always)."""
     rc = main(
         [*QUICK, *RANDOM, "--output-tokens", "3", "--settle-s", "0.2", "--no-isolate", "--modes", "plain,adaptive"]
     )
