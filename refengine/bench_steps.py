@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from refengine.bench.run import measure_copy_bandwidth, target_weight_bytes
+from refengine.bench.floors import measure_copy_bandwidth, target_weight_bytes
 from refengine.config import EngineConfig
 from refengine.request import SamplingParams
 

@@ -1,20 +1,30 @@
 """`refengine bench`: throughput and per-step timings, plain vs DFlash vs adaptive (and HF as a peer), with the
-memory-bound floor. A table on stderr, a tqdm bar on stderr, the JSON as the last line of stdout.
+memory-bound floor; or, with --sample-cells, a seeded random sample of the cell matrix judged against a bar.
+A table on stderr, tqdm progress on stderr, the JSON as the last line of stdout.
 
     refengine bench --concurrency 1,8 --prompts mixed                 # embedded trained tiny pair
-    refengine bench --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \
+    refengine bench --target fixtures/configs/qwen3-4b --draft fixtures/configs/qwen3-4b-dflash-b16 \\
         --synthetic --acceptance-profile tau1,tau3,tau6.5 --peer hf --plot perf.png --output perf.json
+    refengine bench --sample-cells 12                                 # a fresh seed, printed and in the JSON
+    refengine bench --sample-cells 2 --seed 1 --pairs tiny            # the tiny pair's cells alone (CPU)
 
-Greedy, ignore_eos. One engine at a time, on CUDA each mode in a fresh process (refengine/bench/suite.py:
-engines side by side, or one after another in a process, ran at different speeds); --processes N repeats
-that N rounds, the modes taking turns, against the noise between processes. --paired runs every mode against
-plain in one process, run by run, with a second plain engine as the control (x plain paired: a run's tok/s over
-plain's in its round, median and interquartile range). Medians over the runs with
-the tok/s spread. --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile)
-draws the accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their
-outputs are not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'. Exit
-status 2 with a message when any request is rejected or a row runs no tokens. Column definitions:
-refengine/bench/run.py and docs/PERF.md.
+Rows (no --sample-cells): greedy, ignore_eos. One engine at a time, on CUDA each mode in a fresh process
+(suite.py); --processes N repeats that N rounds, the modes taking turns, against the noise between processes.
+--paired runs every mode against plain in one process, run by run, with a second plain engine as the control
+(paired.py). --acceptance-profile NAME[,NAME] (benchmark-only: refengine.spec_decode.acceptance_profile) draws
+the accepted drafts per step from a named profile: those rows say `acceptance: profile <name>`, their outputs
+are not greedy-exact. Without it DFlash rows are labelled 'real drafter' or 'chance (synthetic weights)'.
+Column definitions: refengine/bench/run.py and docs/PERF.md.
+
+Cell matrix (--sample-cells N, cells.py, matrix.py, verdict.py): N distinct cells of the matrix (Qwen3-4B
+shapes under five acceptance profiles and the trained tiny pair on four prompt sets; c 1, 8, 16, 32, 64; wave
+and steady arrivals; settle 0 or 15 s) in random order, drawn with --seed (default: a fresh one); each cell
+measured for plain, dflash and adaptive in the same run and judged by adaptive / max(plain, dflash) against
+--bar; the JSON names the worst cell and whether the bar holds. Run it with fresh seeds at least twice and
+take the worst cell over the runs.
+
+Exit status 2 with a message when any request is rejected, a row runs no tokens or a span policy's choice
+raised.
 """
 
 from __future__ import annotations
@@ -24,10 +34,14 @@ import json
 
 import torch
 
+from refengine.bench.cells import PAIRS
+from refengine.bench.floors import measure_copy_bandwidth
+from refengine.bench.matrix_cli import CELL_TOKENS, cmd_matrix
 from refengine.bench.prompts import PROMPT_SETS
 from refengine.bench.report import KEY, print_table
-from refengine.bench.run import BenchError, measure_copy_bandwidth
-from refengine.bench.suite import EXTRA_MODES, MODES, bench
+from refengine.bench.run import BenchError
+from refengine.bench.suite import MODES, bench
+from refengine.bench.verdict import DEFAULT_BAR
 from refengine.spec_decode.acceptance_profile import parse_profile
 
 
@@ -42,19 +56,34 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="throughput and step timings, plain vs DFlash vs adaptive (JSON last line)")
+    p = sub.add_parser(
+        "bench",
+        help="throughput and step timings, plain vs DFlash vs adaptive (JSON last line); --sample-cells: the matrix",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--target", help="target checkpoint dir or config dir (default: embedded tiny pair)")
     p.add_argument("--draft", help="drafter dir (default with no --target: the embedded drafter)")
     p.add_argument("--synthetic", action="store_true", help="random weights from config.json alone")
     p.add_argument("--device", default=None)
     p.add_argument("--concurrency", default="1,8,16,32", help="comma-separated, e.g. 1,8,16,32")
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="measured runs per row (median, min-max reported)")
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help=f"new tokens a request (default 128; --sample-cells: {CELL_TOKENS})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measured runs per row (median, min-max reported); --sample-cells: rounds per cell before pairing",
+    )
     p.add_argument(
         "--modes",
         default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES + EXTRA_MODES)} (adaptive-shadow: with shadow probes)",
+        help=f"comma-separated subset of {','.join(MODES)}",
     )
     p.add_argument(
         "--acceptance-profile",
@@ -74,7 +103,8 @@ def add_bench_parser(sub) -> None:
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md)",
+        help="each mode in a fresh process (default: on CUDA; --no-isolate: all in this process; docs/PERF.md); "
+        "--sample-cells: each pair's engines in a fresh process",
     )
     p.add_argument(
         "--processes",
@@ -112,7 +142,32 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="CUDA graphs for decode / verify / draft (default: full on CUDA, eager on the CPU)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompts and acceptance draws (default 0); --sample-cells: also the sample (default: a fresh one)",
+    )
+    p.add_argument(
+        "--sample-cells",
+        type=int,
+        default=None,
+        metavar="N",
+        help="measure N random cells of the cell matrix (refengine/bench/cells.py) for plain, dflash and adaptive "
+        "in one run, and judge adaptive / max(plain, dflash) against --bar (refengine/bench/matrix.py)",
+    )
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help=f"--sample-cells: draw from these pairs' cells only, a subset of {','.join(PAIRS)} (default: both; "
+        "tiny alone is what a CPU can run)",
+    )
+    p.add_argument(
+        "--bar",
+        type=float,
+        default=None,
+        help=f"--sample-cells: the least adaptive / max(plain, dflash) a cell passes with (default {DEFAULT_BAR})",
+    )
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
     p.add_argument(
@@ -120,11 +175,17 @@ def add_bench_parser(sub) -> None:
         action="store_true",
         help="also print torch.profiler's top ops for the first concurrency of each row kind (stderr)",
     )
-    p.set_defaults(func=_cmd)
+    p.set_defaults(func=lambda args: cmd_matrix(args, p) if args.sample_cells is not None else _cmd(args))
 
 
 def _cmd(args) -> int:
     from refengine.defaults import default_pair
+
+    for flag in ("pairs", "bar"):
+        if getattr(args, flag) is not None:
+            raise BenchError(f"--{flag} applies to the cell matrix: give --sample-cells N with it")
+    args.seed = 0 if args.seed is None else args.seed
+    args.output_tokens = 128 if args.output_tokens is None else args.output_tokens
 
     if args.target is None:
         t, d = default_pair()
@@ -132,8 +193,8 @@ def _cmd(args) -> int:
     else:
         target, draft = args.target, args.draft
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if not modes or not set(modes) <= set(MODES + EXTRA_MODES):
-        raise BenchError(f"--modes {args.modes!r}: use a subset of {','.join(MODES + EXTRA_MODES)}")
+    if not modes or not set(modes) <= set(MODES):
+        raise BenchError(f"--modes {args.modes!r}: use a subset of {','.join(MODES)}")
     if args.repeats < 1 or args.output_tokens < 1 or args.prompt_len < 1:
         raise BenchError("--repeats, --output-tokens and --prompt-len must be positive")
     profiles = [p for p in (args.acceptance_profile or "").split(",") if p.strip()]

@@ -10,10 +10,10 @@ from typing import Any
 from refengine.bench.prompts import make_prompts
 from refengine.spec_decode.acceptance_profile import AcceptanceProfile, parse_profile
 
-# --arrivals: `wave`, a cell's c requests submitted together and run to the last (the default since the first
-# session); `steady`, STEADY_ROUNDS x c requests, c of them in flight, the next submitted as one finishes (a
-# server at constant concurrency: arrivals meet requests mid-generation, and no cell ends on one wave's tail;
-# the first c's budgets spread out, steady_budgets)
+# --arrivals: `wave`, a cell's c requests submitted together and run to the last (the default); `steady`,
+# STEADY_ROUNDS x c requests, c of them in flight, the next submitted as one finishes (a server at constant
+# concurrency: arrivals meet requests mid-generation, and no cell ends on one wave's tail; the first c's budgets
+# spread out, steady_budgets)
 ARRIVALS = ("wave", "steady")
 STEADY_ROUNDS = 4
 
@@ -24,7 +24,7 @@ def steady_budgets(requests: int, in_flight: int, output_tokens: int) -> list[in
     its requests in flight at evenly spread stages: every mode's finishes and arrivals then spread out, plain
     decode's too. With equal budgets plain decode's requests finished together and its steady cells re-ran
     waves (one prefill a wave) while speculation's spread out (a prefill an arrival): on the H200 at c32
-    adaptive's prefills took 895 ms a run against plain's 211 (run 107, twenty-second session)."""
+    adaptive's prefills took 895 ms a run against plain's 211 (docs/PERF.md)."""
     first = [math.ceil(output_tokens * (i + 1) / in_flight) for i in range(min(in_flight, requests))]
     return first + [output_tokens] * (requests - len(first))
 

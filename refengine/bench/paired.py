@@ -2,28 +2,27 @@
 engine as the control.
 
 The default bench measures each mode in a fresh process, so a ratio between two modes carries the noise
-between processes: the same plain engine ran 5-11% apart from one process to the next on the H200 (docs/
-PERF.md, runs 58-65), far more than adaptive's distance from plain where speculation cannot win (tau 1, 1.3).
+between processes: on the H200 the same plain engine ran 5-11% apart from one process to the next (docs/
+PERF.md), far more than adaptive's distance from plain where speculation cannot win (tau 1, 1.3).
 Here one process holds plain, a second plain engine (the control) and each requested mode; each cell's
 `repeats` rounds run every engine once, in the orders of a Williams design (round_order), and each run's
 `paired_x_plain` is its tok/s over the plain engine's in the same round. The control's `paired_x_plain` is the
 method's own resolution: two identical engines differ by it (their weights and graphs at other addresses,
 their place in the round), so a mode whose ratio to plain lies within the control's spread of 1 is not
-distinguishable from plain here. The price: engines side by side run a little slower than one alone (the
-sixth session's finding), equally for all of them as far as the control shows.
+distinguishable from plain here. The price: engines side by side run a little slower than one alone, equally
+for all of them as far as the control shows.
 
-The engines read one copy of the target's weights (`--own-weights`: one each, as before 2026-12-03): the
-process then holds one 8 GB copy at Qwen3-4B shapes instead of one per engine. It does not narrow the spread
-between engines: five plain engines of one process, three of them on one copy, ran their c1 decode steps at
-4.04-4.18 ms (medians of 10 rounds; the three sharing 4.04-4.11), so what sets two engines apart is not where
-their weights sit (docs/PERF.md, nineteenth session).
+The engines read one copy of the target's weights (`--own-weights`: one each): the process then holds one
+8 GB copy at Qwen3-4B shapes instead of one per engine. Where the weights sit does not set two engines apart:
+five plain engines of one process, three of them on one copy, ran their c1 decode steps at 4.04-4.18 ms on
+the H200, the three sharing 4.04-4.11 (docs/PERF.md).
 
-Why a Williams design: with the order only rotating, each engine always ran right after the same other
-one, and where a run's speed depends on the run before it, that bias is the same in every round: the trained
-tiny pair's control read 1.035-1.061 of plain at c32 in three H200 runs of 6 rounds (docs/PERF.md, twentieth
-session), each of its rounds but the first-in-turn ones right after plain's run. Over a cycle of n rounds
-(2n for an odd number of engines) each engine runs in each place and right after each other engine equally
-often; `repeats` a multiple of the cycle balances the row (the JSON's `rounds_balanced`).
+Why a Williams design: with the order only rotating, each engine always runs right after the same other
+one, and where a run's speed depends on the run before it, that bias is the same in every round (the trained
+tiny pair's control read 1.035-1.061 of plain at c32 that way, and 0.999-1.001 with this design; docs/PERF.md).
+Over a cycle of n rounds (2n for an odd number of engines) each engine runs in each place and right after
+each other engine equally often; `repeats` a multiple of the cycle balances the row (the JSON's
+`rounds_balanced`).
 
 Plain and the control run in every profile's rounds (the pairs need them); their rows gather all of those.
 Adaptive settles again under each profile after the first, as in the default method.
@@ -35,9 +34,9 @@ import sys
 from typing import Any
 
 from refengine.bench.job import ModeJob, job_own_bytes, job_profiles
+from refengine.bench.loading import free_memory, load_engine
 from refengine.bench.prompts import make_prompts
 from refengine.bench.run import measure_row, print_profile, row_label, run_once, set_override, settle_engine
-from refengine.bench.suite import free_memory, load_engine
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
 CONTROL = "control (a second plain engine)"  # the control rows' acceptance label (mode "plain")
@@ -78,17 +77,13 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
             mode = mode_of[name]
             if mode != "plain":
                 set_override(e, override)
-            if (
-                mode.startswith("adaptive") and k
-            ):  # the policy learns: its estimates describe this profile, not the last
+            if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last
                 settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
             labels[name] = CONTROL if name == "control" else row_label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch, in_flight = j.cell_prompts(c, vocab)
             for e in engines.values():
                 run_once(e, batch[:c], min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
-                if e.scheduler.policy is not None:
-                    e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
             for r in range(j.repeats):
                 order = round_order(names, r)  # balanced for place and predecessor (module docstring)
                 got = {}

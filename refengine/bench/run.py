@@ -12,6 +12,9 @@ Per-step columns (ms, per step of that kind):
 Ratios: x_plain_floor = tok/s / (copy bandwidth / target weight bytes), the memory-bound floor of a batch-1
 plain decode step; x_own_ideal (DFlash) = per-request tok/s / (tau * bandwidth / (target + drafter bytes)),
 i.e. against a step that streams both models' weights once and commits tau tokens.
+`spans` (speculating rows): the engine's span policy record (Engine.span_stats: the policy, verify span chosen
+-> request-steps and choices that raised, counted over the run; the policy's own statistics). A run in which a
+policy choice raised fails (BenchError): those steps decoded plainly, so the row would not measure the policy.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
 
 class BenchError(RefEngineError):
-    """A bench run is not a measurement: a request was rejected, or a row ran no tokens."""
+    """A bench run is not a measurement: a request was rejected, a row ran no tokens, or a span policy's choice
+    raised; or the bench was asked for something it cannot measure."""
 
 
 def check_ran(reqs: list, output_tokens: int | list[int]) -> None:
@@ -50,52 +54,9 @@ def check_ran(reqs: list, output_tokens: int | list[int]) -> None:
             )
 
 
-def measure_copy_bandwidth(device: str) -> float:
-    """Device-to-device copy, bytes read + written per second (CPU: memcpy of a 256 MiB buffer)."""
-    n = 1 << 28
-    a = torch.empty(n, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    _sync(device)
-    return 2 * n * 10 / (time.perf_counter() - t0)
-
-
 def _sync(device: str) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def tensor_bytes(*objs: Any) -> int:
-    """Bytes of the distinct tensors reachable from objs (attributes, lists, dicts; shared tensors once)."""
-    seen: set[int] = set()
-    total = 0
-    stack = list(objs)
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            if o.data_ptr() not in seen:
-                seen.add(o.data_ptr())
-                total += o.numel() * o.element_size()
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif hasattr(o, "__dict__") and not isinstance(o, type):
-            stack.extend(v for k, v in vars(o).items() if k not in ("rope", "cfg", "mcfg"))
-    return total
-
-
-def target_weight_bytes(target) -> int:
-    return tensor_bytes(target.embed_tokens, target.lm_head, target.final_norm, target.layers)
-
-
-def drafter_weight_bytes(drafter) -> int:
-    """What one draft step streams: fc, norms, layers, and the (shared) lm_head it reads again."""
-    return tensor_bytes(drafter.fc, drafter.hidden_norm, drafter.layers, drafter.norm, drafter.lm_head)
 
 
 def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: int | None = None) -> dict[str, Any]:
@@ -107,8 +68,7 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     n = len(prompts)
     budgets = [output_tokens] * n if in_flight is None else steady_budgets(n, in_flight, output_tokens)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
-    policy = engine.scheduler.policy
-    errors_before = policy.errors if policy is not None else 0
+    spans_before = engine.span_stats()
     queue = [(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts, budgets)]
     reqs: list = []
     running: list = []  # steady arrivals: the submitted requests not yet finished
@@ -149,16 +109,17 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
     plans = Counter(engine.scheduler.plan_counts)
     plans.subtract(plans_before)
     check_ran(reqs, budgets)
-    if policy is not None and policy.errors > errors_before:
+    spans = run_span_stats(spans_before, engine.span_stats())
+    if spans["errors"]:
         raise BenchError(
-            f"the adaptive policy's choice raised {policy.errors - errors_before} times in this run (those steps "
+            f"the {spans['policy']} span policy's choice raised {spans['errors']} times in this run (those steps "
             "decoded plainly; the engine logged each): a bug, and the row would not measure the policy"
         )
     tokens = sum(len(r.output_ids) for r in reqs)
     stats = SpecStats()
     for r in reqs:
         stats.merge(r.spec)
-    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s", "shadow_s"))
+    compute = sum(timings.get(k, 0.0) for k in ("prefill_s", "decode_s", "draft_s", "verify_s"))
     return {
         "tokens": tokens,
         "seconds": secs,
@@ -169,6 +130,21 @@ def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: in
         "steps": sum(plans.values()),
         "kind_steps": kinds,
         "kind_wall_s": kind_wall,
+        "spans": spans,
+    }
+
+
+def run_span_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """One run's share of Engine.span_stats(): `spans` (verify span chosen -> request-steps) and `errors` (policy
+    choices that raised) counted over the run alone, `policy` and `detail` (the policy's own cumulative
+    statistics) as after it."""
+    spans = Counter({k: int(v) for k, v in after["spans"].items()})
+    spans.subtract({k: int(v) for k, v in before["spans"].items()})
+    return {
+        "policy": after["policy"],
+        "spans": {k: v for k, v in sorted(spans.items(), key=lambda kv: int(kv[0])) if v},
+        "errors": int(after["errors"]) - int(before["errors"]),
+        "detail": after["detail"],
     }
 
 
@@ -213,8 +189,7 @@ def measure_row(
             accepted_hist={str(k): v for k, v in sorted(s.accepted_hist.items())},
             span_hist={str(k): v for k, v in sorted(s.span_hist.items())},
         )
-        if engine.scheduler.policy is not None:
-            row["policy"] = engine.scheduler.policy.summary()
+        row["spans"] = r["spans"]  # the span policy's record (Engine.span_stats), this run's counts
     return row
 
 
@@ -242,8 +217,7 @@ def engine_for(
         synthetic_weights=synthetic,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        speculation="adaptive" if mode.startswith("adaptive") else "fixed",
-        shadow_probes=mode == "adaptive-shadow",
+        speculation="adaptive" if mode == "adaptive" else "fixed",
         graph_mode=graph_mode,
         num_blocks=num_blocks,
     )
@@ -261,15 +235,16 @@ def row_label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -
     return "-" if mode == "plain" else ("chance (synthetic weights)" if synthetic else "real drafter")
 
 
-def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int) -> None:
-    """Load the device for `seconds` (untimed runs) so the first measured row meets its sustained clocks. Each
-    run generates `tokens`, the measured runs' length: the adaptive policy learns from these runs, and runs
-    shorter than the measured ones teach it their generations' early blocks only (with 32-token runs the
-    trained tiny pair's population never saw its text loop, and on one H200 every c1 request then retired
-    after its first block while fixed DFlash ran 3.2x plain; docs/PERF.md, run 79)."""
+def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int, in_flight: int | None = None) -> None:
+    """Load the device for `seconds` (untimed runs of `batch`, as run_once submits them: a wave, or `in_flight`
+    at a time) so the first measured row meets its sustained clocks. Each run generates `tokens`, the measured
+    runs' length: the adaptive policy learns from these runs, and runs shorter than the measured ones teach it
+    their generations' early blocks only (with 32-token runs the trained tiny pair's population never saw its
+    text loop, and on the H200 every c1 request then retired after its first block while fixed DFlash ran
+    3.2x plain; docs/PERF.md)."""
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
-        run_once(engine, batch, tokens)
+        run_once(engine, batch, tokens, in_flight)
 
 
 def print_profile(engine, prompts, new_tokens: int, label: str) -> None:

@@ -4,53 +4,48 @@ loads the device for SETTLE_S seconds (on CUDA, so no row gets the cold chip), r
 acceptance profile) cell (a discarded warm-up, then `repeats` measured runs) and exits. Plain does not depend
 on the acceptance profile: its row per concurrency is measured once.
 
-Why, measured on the H200 (docs/PERF.md, sixth session):
+Why, as measured on the H200 (docs/PERF.md, "Why one engine at a time"):
 - side by side, the same decode graph replayed at different speeds depending on what the other engines ran
   (an adaptive engine forced to span 1 at c1: 3.48 ms a replay, but 3.74-3.83 ms when any drafter work ran
   in that run; the kernels took the same time, the gaps between them did not). With one engine resident
   that work changed nothing (3.58 ms either way).
-- one after another in one process, even with the previous engine freed, the first engine ran faster: on
-  one machine, plain first then adaptive third gave adaptive / plain 0.86-0.90 at tau 1; adaptive first
-  then plain second gave 1.00-1.03. A deployment runs one engine in its process; so does each mode here.
+- one after another in one process, even with the previous engine freed, the first engine ran faster: plain
+  first then adaptive third gave adaptive / plain 0.86-0.90 at tau 1; adaptive first then plain second gave
+  1.00-1.03. A deployment runs one engine in its process; so does each mode here.
+`paired` (paired.py) and the cell matrix (matrix.py) hold their engines side by side in one process instead,
+and measure them in interleaved rounds with a control engine for the resolution.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import gc
-import multiprocessing
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from refengine.bench.floors import measure_copy_bandwidth
 from refengine.bench.job import ARRIVALS, STEADY_ROUNDS, ModeJob, job_own_bytes, job_profiles
+from refengine.bench.loading import free_memory, in_fresh_process, load_engine
+from refengine.bench.paired import METHOD_PAIRED, measure_paired
 from refengine.bench.peer_hf import peer_rows
 from refengine.bench.prompts import make_prompts
 from refengine.bench.report import aggregate
 from refengine.bench.run import (
     BenchError,
-    drafter_weight_bytes,
-    engine_for,
-    measure_copy_bandwidth,
     measure_row,
     print_profile,
     row_label,
     run_once,
     set_override,
     settle_engine,
-    target_weight_bytes,
 )
 from refengine.config import DEFAULT_PAGE_SIZE
 from refengine.kv.pool import blocks_for
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride, AcceptanceProfile, parse_profile
 
-MODES = ("plain", "dflash", "adaptive")  # the default --modes
-# on request only: adaptive with shadow probes (EngineConfig.shadow_probes=True), to measure them against adaptive
-EXTRA_MODES = ("adaptive-shadow",)
+MODES = ("plain", "dflash", "adaptive")  # --modes: plain decode, fixed DFlash spans, the adaptive span policy
 METHOD_ISOLATED = (
     "each mode in a fresh process: loaded, settled, then each profile's cells by concurrency (adaptive: settled"
     " again under each later profile)"
@@ -91,7 +86,7 @@ def bench(
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
     are over every process's runs, with the per-process medians listed (`process_tok_per_s`): the same
-    engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md, seventh session). `paired`: every
+    engine measured 452-556 tok/s in four processes on H200s (docs/PERF.md). `paired`: every
     mode in one process with plain and a second plain engine, run by run (refengine/bench/paired.py); with
     `isolate` that process is a fresh one, `processes` of them; `share_weights` (paired): its engines read one
     copy of the target's weights."""
@@ -156,19 +151,13 @@ def bench(
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
     if paired:  # every mode in one process with plain and a control (refengine/bench/paired.py)
-        from refengine.bench.paired import METHOD_PAIRED, measure_paired
-
         calls: list[tuple[Callable[..., dict[str, Any]], tuple]] = [(measure_paired, (modes, job))]
     else:
         calls = [(measure_mode, (mode, job)) for mode in modes]
     for _ in range(processes):
         for fn, args in calls:
-            if isolate:  # a fresh process per mode, or for the paired engines (see the module docstring)
-                ctx = multiprocessing.get_context("spawn")
-                with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-                    out = pool.submit(fn, *args).result()
-            else:
-                out = fn(*args)
+            # a fresh process per mode, or for the paired engines (see the module docstring)
+            out = in_fresh_process(fn, *args) if isolate else fn(*args)
             for cell, cell_runs in out.pop("runs").items():
                 runs.setdefault(cell, []).append(cell_runs)
             results["graph_captures"].update(out.pop("graph_captures"))
@@ -228,16 +217,12 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
         override = AcceptanceOverride(prof, j.seed) if prof is not None else None
         if mode != "plain":
             set_override(e, override)
-        if (
-            mode.startswith("adaptive") and k
-        ):  # the policy learns: its estimates describe this profile, not the last one
+        if mode == "adaptive" and k:  # the policy learns: its estimates describe this profile, not the last one
             settle_engine(e, settle_batch, j.settle_s, j.output_tokens)
         label = row_label(mode, override, j.synthetic)
         for c in j.concurrency:
             batch, in_flight = j.cell_prompts(c, vocab)
             run_once(e, batch[:c], min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
-            if e.scheduler.policy is not None:
-                e.scheduler.policy.reset_stats()  # the row's decisions only (costs stay learnt)
             for _ in range(j.repeats):
                 row = measure_row(e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth, in_flight)
                 runs.setdefault((mode, label, c), []).append(row)
@@ -250,40 +235,3 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
     free_memory(j.device)
     out["runs"] = runs
     return out
-
-
-def load_engine(
-    mode: str, j: ModeJob, first: AcceptanceProfile | None, shared_target: Any = None
-) -> tuple[Any, dict[str, Any]]:
-    """A mode's engine with every graph shape captured (no timed step pays a capture), under the profile
-    `first`; and what the JSON records about it (graph_capture, floor, vocab, weight bytes, graph_mode).
-    `shared_target`: another engine's loaded target, read instead of a copy of its own (paired.py)."""
-    e = engine_for(
-        mode,
-        j.target,
-        j.draft,
-        device=j.device,
-        synthetic=j.synthetic,
-        max_num_seqs=max(j.concurrency),
-        max_model_len=j.context,
-        override=AcceptanceOverride(first, j.seed) if first is not None and mode != "plain" else None,
-        graph_mode=j.graph_mode,
-        num_blocks=j.blocks,
-        shared_target=shared_target,
-    )
-    t = time.perf_counter()
-    shapes = e.capture_graphs()
-    out: dict[str, Any] = {"graph_capture": {"shapes": shapes, "seconds": round(time.perf_counter() - t, 2)}}
-    tbytes = target_weight_bytes(e.target)
-    out.update(floor=j.bandwidth / tbytes, vocab=e.target.cfg.vocab_size, target_weight_bytes=tbytes)
-    out["graph_mode"] = e.config.graph_mode_name
-    if e.drafter is not None:
-        out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
-    return e, out
-
-
-def free_memory(device: str) -> None:
-    """Give the memory of engines no longer referenced back before the next one loads (in-process runs)."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()

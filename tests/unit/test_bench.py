@@ -1,8 +1,9 @@
 """`refengine bench` on the CPU with quick settings (the tiny pairs, concurrency 1,2, a few tokens, 1 repeat):
 the JSON shape (rows for plain / dflash / adaptive at each concurrency, their fields, acceptance labels, the
-steps and wall time by step kind), that a rejected request fails the run (exit 2 and a message), that a
-profile run labels every speculating row and reproduces the profile's tau, that a run whose adaptive policy
-raised fails too, that each mode's engine runs alone
+steps and wall time by step kind, the span policy's record), that a rejected request fails the run (exit 2 and
+a message), that unknown modes are refused, that a profile run labels every speculating row and reproduces the
+profile's tau, that a run in which a span policy's choice raised (Engine.span_stats' errors grew) fails too,
+that each mode's engine runs alone
 (freed before the next loads; plain once per concurrency) and settles with runs of the measured length (a short
 --output-tokens fits its context cap), the paired method (rounds in a balanced order, ratios to
 plain in the same round, the control), steady arrivals (c requests in flight), the bundled prompt sets, and the
@@ -71,7 +72,13 @@ def test_bench_json_shape(capsys, tmp_path):
         assert 0 < sum(r[f"{k}_wall_ms"] for k in kinds) <= r["seconds"] * 1e3, r
         allowed = {"plain": {"prefill", "decode"}, "dflash": {"prefill", "verify"}}.get(r["mode"], set(PLAN_KINDS))
         assert "prefill" in kinds and kinds <= allowed, (r["mode"], kinds)
-    assert "policy" in next(r for r in rows if r["mode"] == "adaptive")
+    for r in rows:  # the span policy's record (Engine.span_stats), its counts over the row's last run
+        if r["mode"] == "plain":
+            assert "spans" not in r, r["spans"]
+            continue
+        spans = r["spans"]
+        assert spans["policy"] == ("fixed" if r["mode"] == "dflash" else "adaptive") and spans["errors"] == 0, spans
+        assert spans["spans"] and all(int(k) >= 1 and v > 0 for k, v in spans["spans"].items()), spans
     assert "x own ideal" in err and "adaptive" in err  # the table on stderr
     assert res["copy_bandwidth_bytes_per_s"] > 0 and res["target_weight_bytes"] > 0
 
@@ -82,24 +89,39 @@ def test_bench_fails_loudly_when_a_request_is_rejected(capsys):
     assert "rejected" in err and "context_length" in err, err
 
 
-def test_bench_fails_loudly_when_the_adaptive_policy_raises():
-    # the engine decodes such a step plainly and goes on (Scheduler._choose); a bench row would then measure
-    # something else than the policy, so the run fails with a message
+def test_bench_fails_loudly_when_the_span_policy_raises():
+    """The engine decodes a step whose span choice raised plainly and goes on, counting it in span_stats()'s
+    `errors`; a bench run in which that count grew measured something else than the policy, so it fails with a
+    message (and one whose count did not grow runs, whatever the count before it)."""
     from refengine.bench.run import engine_for, run_once
 
     engine = engine_for(
         "adaptive", str(RANDOM_PAIR / "target"), str(RANDOM_PAIR / "draft"), device="cpu", synthetic=False,
         max_num_seqs=2, max_model_len=64, override=None,
     )  # fmt: skip
-    policy = engine.scheduler.policy
+    stats = engine.span_stats
+    raised = [3]  # errors before the run: an earlier run's, not this one's
 
-    def broken(req_ids, remaining):
-        raise RuntimeError("injected policy bug")
+    def span_stats():
+        return {**stats(), "errors": raised[0]}
 
-    policy.choose = broken
-    with pytest.raises(BenchError, match="choice raised"):
+    engine.span_stats = span_stats
+    run_once(engine, [[5, 6, 7, 8]], 4)  # the count did not grow: a measurement
+    step = engine.step
+
+    def failing_step():  # as if one of the run's choices raised
+        raised[0] = 4
+        return step()
+
+    engine.step = failing_step
+    with pytest.raises(BenchError, match="adaptive span policy's choice raised 1 times"):
         run_once(engine, [[5, 6, 7, 8], [9, 10, 11]], 6)
-    assert policy.errors > 0 and not engine.has_work()
+    assert not engine.has_work()
+
+
+def test_bench_refuses_unknown_modes(capsys):
+    rc, _, err = _bench(capsys, *RANDOM, "--modes", "plain,adaptive-shadow")
+    assert rc == 2 and "--modes 'plain,adaptive-shadow': use a subset of plain,dflash,adaptive" in err, err[-300:]
 
 
 def test_bench_profile_rows_are_labelled_and_reproduce_tau(capsys):
@@ -133,12 +155,13 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
     import gc
     import weakref
 
+    import refengine.bench.loading as loading
     import refengine.bench.suite as suite
 
     order: list[tuple[str, str, int]] = []
     alive_at_build: list[int] = []
     built: list[weakref.ref] = []
-    measure, make = suite.measure_row, suite.engine_for
+    measure, make = suite.measure_row, loading.engine_for
 
     def spy(engine, mode, label, batch, *rest):
         order.append((mode, label, len(batch)))
@@ -155,12 +178,12 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
     lengths: list[int] = []  # the settle runs' new tokens per settle call
 
     def settled(engine, batch, seconds, tokens):
-        order.append(("settle", "adaptive" if engine.scheduler.policy else "-", len(batch)))
+        order.append(("settle", "adaptive" if engine.span_stats()["policy"] == "adaptive" else "-", len(batch)))
         lengths.append(tokens)
         return settle(engine, batch, seconds, tokens)
 
     monkeypatch.setattr(suite, "measure_row", spy)
-    monkeypatch.setattr(suite, "engine_for", build)
+    monkeypatch.setattr(loading, "engine_for", build)
     monkeypatch.setattr(suite, "settle_engine", settled)
     res = suite.bench(
         str(RANDOM_PAIR / "target"),
@@ -188,9 +211,9 @@ def test_bench_runs_one_engine_at_a_time(monkeypatch):
 
 
 def test_bench_settles_with_runs_of_the_measured_length(capsys):
-    """The settle's runs generate --output-tokens, as the measured runs do. With a fixed 32 they overran the
-    engine's context cap (prompt + output tokens + 16) whenever --output-tokens was under 16, and every such
-    bench with a settle (on CUDA, always) failed with a rejected request."""
+    """The settle's runs generate --output-tokens, as the measured runs do: a fixed longer length (32, say) would
+    overrun the engine's context cap (prompt + output tokens + 16) whenever --output-tokens is under 16, and the
+    bench would fail with a rejected request whenever it settles (on CUDA, always)."""
     rc = main(
         [*QUICK, *RANDOM, "--output-tokens", "3", "--settle-s", "0.2", "--no-isolate", "--modes", "plain,adaptive"]
     )
@@ -234,14 +257,14 @@ def test_aggregate_takes_medians_of_fields_some_runs_lack():
     from refengine.bench.report import aggregate
 
     runs = [
-        {"concurrency": 8, "tok_per_s": 30.0, "policy": {"a": 1}},
-        {"concurrency": 8, "tok_per_s": 10.0, "decode_ms_per_step": 4.0, "policy": {"a": 2}},
-        {"concurrency": 8, "tok_per_s": 20.0, "decode_ms_per_step": 6.0, "policy": {"a": 3}},
+        {"concurrency": 8, "tok_per_s": 30.0, "spans": {"a": 1}},
+        {"concurrency": 8, "tok_per_s": 10.0, "decode_ms_per_step": 4.0, "spans": {"a": 2}},
+        {"concurrency": 8, "tok_per_s": 20.0, "decode_ms_per_step": 6.0, "spans": {"a": 3}},
     ]
     row = aggregate(runs)
     assert row["tok_per_s"] == 20.0 and (row["tok_per_s_min"], row["tok_per_s_max"]) == (10.0, 30.0), row
     assert row["decode_ms_per_step"] == 5.0, row
-    assert row["policy"] == {"a": 3} and row["concurrency"] == 8 and row["repeats"] == 3, row
+    assert row["spans"] == {"a": 3} and row["concurrency"] == 8 and row["repeats"] == 3, row
 
 
 def test_bench_isolated_modes_match_in_process():
@@ -390,29 +413,6 @@ def test_bench_paired_rounds_are_balanced_and_ratio_to_plain_in_the_same_round(c
     assert rc == 0 and res is not None and res["weights"] == "one copy per engine" and len(targets) == 3, err[-500:]
     rc, _, err = _bench(capsys, *RANDOM, "--paired", "--modes", "adaptive", "--output-tokens", "2")
     assert rc == 2 and "add plain to --modes" in err, err[-500:]
-
-
-def test_bench_adaptive_shadow_mode_runs_adaptive_with_shadow_probes(capsys, monkeypatch):
-    """`--modes adaptive-shadow` (on request only, not in the default modes): adaptive speculation with shadow
-    probes (EngineConfig.shadow_probes=True), to measure them against adaptive in one run; unknown modes are
-    refused with the list."""
-    from refengine.bench import suite
-
-    made, make = [], suite.engine_for
-
-    def build(mode, *args, **kw):
-        e = make(mode, *args, **kw)
-        made.append((mode, e.config.speculation, e.config.shadow_probes))
-        return e
-
-    monkeypatch.setattr(suite, "engine_for", build)
-    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "4", "--no-isolate", "--modes", "plain,adaptive-shadow")
-    assert rc == 0, err
-    assert ("adaptive-shadow", "adaptive", True) in made, made
-    assert {r["mode"] for r in res["rows"]} == {"plain", "adaptive-shadow"}
-    assert "adaptive-shadow" not in suite.MODES
-    rc, _, err = _bench(capsys, *RANDOM, "--modes", "plain,adaptive-bogus")
-    assert rc == 2 and "adaptive-shadow" in err, err[-300:]
 
 
 def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
