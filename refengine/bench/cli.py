@@ -82,8 +82,14 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument(
         "--modes",
-        default=",".join(MODES),
-        help=f"comma-separated subset of {','.join(MODES)}",
+        default=None,
+        help=f"comma-separated subset of {','.join(MODES)} (default: all; dflash is speculation=fixed)",
+    )
+    p.add_argument(
+        "--speculation",
+        choices=["fixed", "adaptive"],
+        default=None,
+        help="measure plain and this span policy only (--modes plain,dflash or plain,adaptive)",
     )
     p.add_argument(
         "--acceptance-profile",
@@ -192,6 +198,10 @@ def _cmd(args) -> int:
         target, draft = str(t), args.draft or str(d)
     else:
         target, draft = args.target, args.draft
+    if args.speculation is not None and args.modes is not None:
+        raise BenchError("give --modes or --speculation, not both")
+    if args.modes is None:
+        args.modes = {"fixed": "plain,dflash", "adaptive": "plain,adaptive"}.get(args.speculation, ",".join(MODES))
     modes = tuple(m.strip() for m in args.modes.split(","))
     if not modes or not set(modes) <= set(MODES):
         raise BenchError(f"--modes {args.modes!r}: use a subset of {','.join(MODES)}")

@@ -22,6 +22,7 @@ NOT_FOR_MATRIX = (
     "synthetic",
     "concurrency",
     "modes",
+    "speculation",
     "acceptance_profile",
     "prompts",
     "settle_s",
