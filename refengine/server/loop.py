@@ -221,4 +221,14 @@ class EngineLoop:
             "finished": dict(self.finished),
             "tokens_generated": self.tokens_generated,
             "live_streams": len(self._live),
+            "span": self._span_stats(),
         }
+
+    def _span_stats(self) -> dict[str, Any]:
+        """The span policy's chosen spans and errors (Engine.span_stats, without its detail)."""
+        try:
+            st = self.engine.span_stats()
+        except Exception:  # noqa: BLE001 - metrics must not take the loop down
+            log.exception("Engine.span_stats failed")
+            return {"policy": "unknown", "spans": {}, "errors": 0}
+        return {"policy": st.get("policy", "?"), "spans": dict(st.get("spans", {})), "errors": st.get("errors", 0)}

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from refengine.defaults import add_model_arguments
 
 if TYPE_CHECKING:  # the server modules import pydantic/fastapi: only loaded when serving
+    from refengine.config import EngineConfig
     from refengine.engine import Engine
     from refengine.server.loop import EngineLoop
     from refengine.server.text import Detok
@@ -100,22 +101,31 @@ class BackgroundServer:
         self.loop.stop(timeout)
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig `refengine serve` builds from its flags (validated by EngineConfig itself)."""
     import torch
-    import uvicorn
 
     from refengine.config import EngineConfig
     from refengine.defaults import model_pair
-    from refengine.engine import Engine
 
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"speculation": args.speculation}
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
-    engine = Engine(EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, **kw))
+    return EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, **kw)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from refengine.engine import Engine
+
+    cfg = engine_config(args)
+    target, draft, device = cfg.target_path, cfg.draft_path, cfg.device
+    engine = Engine(cfg)
     engine.capture_graphs()  # every CUDA graph shape before the first request (a no-op in eager mode)
     app, loop = make_app(engine, args.served_model_name)
     print(
@@ -137,6 +147,13 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-num-seqs", type=int, help="running batch cap (default: the engine's)")
+    s.add_argument(
+        "--speculation",
+        choices=["fixed", "adaptive"],
+        default="fixed",
+        help="verify span policy: fixed (the drafter's block every step) or adaptive (chosen per step); "
+        "/metrics exports the chosen spans (refengine_spec_span_steps_total)",
+    )
     s.add_argument("--served-model-name", help="the model id /v1/models reports (default: the checkpoint's)")
     s.add_argument("--log-level", default="info")
     s.set_defaults(func=cmd_serve)
