@@ -30,7 +30,6 @@ def one_request(host: str, port: int, prompt: str, max_tokens: int, timeout: flo
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     body = json.dumps(
         {
-            "model": "refengine",
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,

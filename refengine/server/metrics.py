@@ -76,6 +76,13 @@ class SnapshotCollector:
         for r, n in sorted(s["finished"].items()):
             fin.add_metric([m, r], n)
         yield fin
+        yield one(GaugeMetricFamily, "requests_outstanding", "Requests submitted and not finished.", s["outstanding"])
+        yield one(
+            CounterMetricFamily,
+            "requests_rejected_busy",
+            "Requests refused with 429 (the waiting queue was full).",
+            s["rejected_busy"],
+        )
 
 
 def metrics_registry(get: Any, model: str) -> CollectorRegistry:
