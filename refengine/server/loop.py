@@ -134,6 +134,11 @@ class EngineLoop:
     def abort(self, stream: Stream, message: str = "aborted by the server") -> None:
         self._cmds.put(("abort", stream, message))
 
+    def abort_all(self, message: str) -> None:
+        """End every running request with a 503 (graceful shutdown's deadline): handlers answer it, streams
+        send it as their last event."""
+        self._cmds.put(("abort_all", message, None))
+
     def call(self, fn: Callable[[Engine], Any]) -> Future:
         """Run fn(engine) on the loop thread between steps (e.g. prompt scoring); a Future of its result."""
         fut: Future = Future()
@@ -178,6 +183,10 @@ class EngineLoop:
             self._add(a)
         elif kind == "abort":
             self._abort(a, b)
+        elif kind == "abort_all":
+            for live in list(self._live.values()):
+                self._abort(live.stream, a, notify=False)
+                live.stream.push(Update(error=ApiError(503, a, None, "server_error", "shutting_down")))
         elif kind == "call":
             fut: Future = b
             if fut.set_running_or_notify_cancel():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -16,6 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refengine.defaults import add_model_arguments
+
+log = logging.getLogger("refengine.server")
+SHUTDOWN_BACKSTOP_S = 5  # uvicorn cancels what is left this long after --shutdown-timeout
 
 if TYPE_CHECKING:  # the server modules import pydantic/fastapi: only loaded when serving
     from refengine.config import EngineConfig
@@ -65,6 +69,32 @@ def make_app(engine: Engine, cfg: ServerConfig | None = None) -> tuple[Any, Engi
     return create_app(loop, detok_of(target), cfg, chat_template_of(target)), loop
 
 
+def graceful_server(app: Any, loop: EngineLoop, timeout: float, **config: Any) -> Any:
+    """A uvicorn.Server whose shutdown (SIGTERM, SIGINT, should_exit) stops accepting, lets running requests
+    finish for `timeout` seconds, then aborts the rest through the engine loop (each handler answers 503, each
+    stream ends with a 503 error event), so no task is left for uvicorn to cancel; uvicorn's own graceful
+    timeout (a few seconds later) stays as the backstop."""
+    import asyncio
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            async def deadline() -> None:
+                await asyncio.sleep(timeout)
+                log.warning("shutdown: aborting the requests still running after %.1fs", timeout)
+                loop.abort_all("server shutting down: the request was aborted")
+
+            task = asyncio.create_task(deadline())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                task.cancel()
+
+    cfg = uvicorn.Config(app, timeout_graceful_shutdown=math.ceil(timeout) + SHUTDOWN_BACKSTOP_S, **config)
+    return GracefulServer(cfg)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -84,16 +114,16 @@ class BackgroundServer:
         start_timeout: float = 30.0,
         **server: Any,
     ):
-        import uvicorn
 
         from refengine.server.config import ServerConfig
 
         name = model_name or default_model_name(Path(engine.config.target_path))
+        server.setdefault("shutdown_timeout", 2.0)
         self.config = ServerConfig(name, host=host, **server)
         self.app, self.loop = make_app(engine, self.config)
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = graceful_server(
+            self.app, self.loop, self.config.shutdown_timeout, host=self.host, port=self.port, log_level="warning"
         )
         self.thread = threading.Thread(target=self.server.run, name="refengine-uvicorn", daemon=True)
         self.thread.start()
@@ -151,7 +181,6 @@ def server_config(args: argparse.Namespace, target: Path) -> ServerConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT: then stop accepting, give running requests --shutdown-timeout seconds,
     abort the rest, stop the engine loop and exit 0."""
-    import uvicorn
 
     from refengine.engine import Engine
 
@@ -167,15 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if scfg.bind_warning:
         print(scfg.bind_warning, file=sys.stderr, flush=True)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=math.ceil(scfg.shutdown_timeout),
-        )
-    )
+    server = graceful_server(app, loop, scfg.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn re-raises a caught SIGTERM / SIGINT after its graceful shutdown, through the handlers it found
     # installed: these make that a no-op, so the process finishes its cleanup and exits 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
