@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 TIMING_KEYS = ("draft_s", "verify_s", "prefill_s", "decode_s")  # Engine runner timings exported as counters
@@ -88,6 +88,7 @@ class SnapshotCollector:
 def metrics_registry(get: Any, model: str) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SnapshotCollector(get, model))
+    ProcessCollector(registry=reg)  # process_resident_memory_bytes & co. (Linux /proc; nothing elsewhere)
     return reg
 
 
