@@ -1,185 +1,87 @@
-"""FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version,
+/health, /metrics.
 
 Every handler runs on the server's event loop and only talks to the engine through the EngineLoop (commands
-in, Updates out). Errors use OpenAI's body {"error": {message, type, param, code}}: 400 for what the engine
-cannot honour or rejects (context length, KV budget, bad token ids), 500 for an internal failure (the request
-is finished and its KV freed first)."""
+in, Updates out). What costs CPU in proportion to the request (parsing and validating the body, rendering the
+chat template, tokenizing, detokenizing) runs in a small pool of worker threads (ServerConfig.prep_threads),
+so /health answers while a large request is checked. Every error, routing ones included (404, 405), uses
+OpenAI's body {"error": {message, type, param, code}}: 400 for what the engine cannot honour, 401 / 403 /
+413 from the guard (guard.py), 404 for an unknown model, 429 when the waiting queue is full, 500 for an
+internal failure (the request is finished and its KV freed first; no traceback in the body)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
+import refengine
 from refengine.errors import RefEngineError
-from refengine.request import FinishReason, SamplingParams
-from refengine.server.loop import EngineLoop, Stream, Update
-from refengine.server.metrics import render_metrics
-from refengine.server.protocol import (
-    CHAT_DEFAULT_MAX_TOKENS,
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    ApiError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_chat,
-    check_completion,
-    prompts_of,
-    stop_list,
-)
+from refengine.server.checks import Checker, bad, validate
+from refengine.server.config import ServerConfig
+from refengine.server.generate import ClientGone, first_update, run_one, stream_response, usage
+from refengine.server.guard import Guard, read_body
+from refengine.server.loop import EngineLoop, Stream
+from refengine.server.metrics import CONTENT_TYPE, render_metrics
+from refengine.server.protocol import ApiError, ChatMessage, DetokenizeRequest, TokenizeRequest, internal_error
 from refengine.server.scoring import prompt_logprobs
-from refengine.server.text import Detok, TextState, chat_logprobs, completion_logprobs
+from refengine.server.text import Detok, chat_logprobs, completion_logprobs
 from refengine.validation import validate_prompt
 
-POLL_S = 0.5  # how often a waiting handler checks whether its client is still there
-FINISH = {FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
+log = logging.getLogger("refengine.server")
 
 
-class ClientGone(Exception):
-    pass
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: str) -> FastAPI:
+def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template: str) -> Any:
+    """The ASGI app: the FastAPI routes behind the Guard middleware."""
     import jinja2.sandbox
 
-    app = FastAPI(title="refengine", docs_url=None, redoc_url=None)
+    app = FastAPI(title="refengine", docs_url=None, redoc_url=None, openapi_url=None)
     template = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
         chat_template
     )
-    vocab = loop.engine.target.cfg.vocab_size
+    eng = loop.engine
+    checker = Checker(cfg, detok, eng.target.cfg.vocab_size, eng.max_context, frozenset(eng.scheduler.eos_ids))
+    pool = ThreadPoolExecutor(cfg.prep_threads, thread_name_prefix="refengine-prep")
+    app.state.prep_pool = pool
+    model_name = cfg.model_name
+
+    async def off(fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def render(messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        try:
+            return template.render(
+                messages=[{"role": m.role, "content": m.text()} for m in messages],
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as e:
+            raise bad(f"the chat template rejected the messages: {e}", "messages") from e
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(ClientGone)
     async def _gone(_req: Request, _e: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the request was aborted
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not isinstance(x, int)]
-        param = loc[0] if loc else None
-        msg = f"{param}: {err.get('msg', 'invalid')}" if param else str(err.get("msg", "invalid request"))
-        return JSONResponse(ApiError(400, msg, param).body(), status_code=400)
+    @app.exception_handler(HTTPException)
+    async def _http(_req: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        err = ApiError(e.status_code, str(e.detail), None, "invalid_request_error", code)
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
-    def ids_of(prompt: str | list[int]) -> list[int]:
-        try:
-            ids = detok.encode(prompt) if isinstance(prompt, str) else prompt
-            return validate_prompt(ids, vocab)
-        except (RefEngineError, ValueError) as e:
-            raise ApiError(400, str(e), "prompt") from e
-
-    def params(max_tokens: int, logprobs: int | None) -> SamplingParams:
-        try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=0 if logprobs is None else max(1, logprobs))
-        except RefEngineError as e:
-            raise ApiError(400, str(e), "max_tokens") from e
-
-    async def updates(stream: Stream, http: Request) -> AsyncIterator[Update]:
-        """The stream's Updates until its final one; raises its ApiError, or ClientGone (checked every POLL_S
-        whether or not tokens are flowing)."""
-        checked = time.monotonic()
-        while True:
-            try:
-                upd = await asyncio.wait_for(stream.queue.get(), POLL_S)
-            except asyncio.TimeoutError:
-                upd = None
-            if time.monotonic() - checked >= POLL_S:
-                checked = time.monotonic()
-                if await http.is_disconnected():
-                    raise ClientGone()
-            if upd is None:
-                continue
-            if upd.error is not None:
-                raise upd.error
-            yield upd
-            if upd.final:
-                return
-
-    async def run_one(
-        ids: list[int], sp: SamplingParams, stops: list[str], http: Request
-    ) -> tuple[TextState, list, str]:
-        """Generate one choice to the end; returns its text state, top-k rows and finish reason."""
-        stream = loop.submit(ids, sp)
-        state, rows, finish = TextState(detok, stops), [], None
-        try:
-            async for upd in updates(stream, http):
-                state.add(upd.token_ids)
-                rows += upd.topk
-                if state.stopped:
-                    finish = "stop"
-                    break
-                if upd.finish_reason is not None:
-                    finish = FINISH.get(upd.finish_reason, "abort")
-        finally:
-            if finish is None or state.stopped:
-                loop.abort(stream, "stop string reached" if state.stopped else "client disconnected")
-        return state, rows, finish or "abort"
-
-    async def first_update(stream: Stream, http: Request) -> Update:
-        try:
-            async for upd in updates(stream, http):
-                return upd
-        except BaseException:
-            loop.abort(stream, "client disconnected")
-            raise
-        raise ApiError(500, "the engine loop ended the request without an update")
-
-    def stream_response(
-        stream: Stream, first: Update, stops: list[str], http: Request, chunk, include_usage: bool
-    ) -> StreamingResponse:
-        """SSE: `chunk(text, upd_ids, rows, finish)` builds one event body; `data: [DONE]` ends it."""
-
-        async def gen() -> AsyncIterator[str]:
-            state, done, n_out = TextState(detok, stops), False, 0
-            try:
-                upd: Update | None = first
-                it = updates(stream, http)
-                while upd is not None:
-                    state.add(upd.token_ids)
-                    n_out += len(upd.token_ids)
-                    finish = (
-                        "stop"
-                        if state.stopped
-                        else (FINISH.get(upd.finish_reason, "abort") if upd.finish_reason is not None else None)
-                    )
-                    piece = state.take(final=finish is not None)
-                    before = n_out - len(upd.token_ids)  # tokens sent in earlier chunks
-                    keep = max(0, len(state.kept_ids) - before) if state.stopped else len(upd.token_ids)
-                    if piece or finish is not None:
-                        yield _sse(chunk(piece, upd.token_ids[:keep], upd.topk[:keep], finish))
-                    if finish is not None:
-                        done = True
-                        break
-                    upd = await it.__anext__()
-                if include_usage:
-                    yield _sse(chunk(None, [], [], None, usage(len(stream.prompt_ids), len(state.kept_ids))))
-                yield "data: [DONE]\n\n"
-            except ApiError as e:
-                yield _sse(e.body())
-                yield "data: [DONE]\n\n"
-            except ClientGone:
-                return  # `done` is False: aborted below
-            finally:
-                if not done or state.stopped:
-                    loop.abort(stream, "client disconnected" if not done else "stop string reached")
-
-        return StreamingResponse(gen(), media_type="text/event-stream")
-
-    def usage(p: int, c: int) -> dict[str, int]:
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in a handler")
+        return JSONResponse(internal_error(f"internal error ({type(e).__name__})").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -188,68 +90,76 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(
-            render_metrics(loop.snapshot, model_name), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+        return Response(render_metrics(loop.snapshot, model_name), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": refengine.__version__}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "refengine",
-                    "max_model_len": loop.engine.max_context,
-                }
-            ],
-        }
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "refengine"}
+        return {"object": "list", "data": [card | {"max_model_len": eng.max_context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request) -> dict:
+        def work(body: bytes) -> list[int]:
+            from refengine.server.checks import parse_json
+
+            r = validate(TokenizeRequest, parse_json(body))
+            checker.model_of(r)
+            if (r.prompt is None) == (r.messages is None):
+                raise bad("send one of prompt or messages", "prompt")
+            text = r.prompt if r.prompt is not None else render(r.messages or [], r.add_generation_prompt is not False)
+            return checker.ids(text)
+
+        ids = await off(work, await read_body(http, cfg.max_request_bytes))
+        return {"count": len(ids), "max_model_len": eng.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request) -> dict:
+        def work(body: bytes) -> str:
+            from refengine.server.checks import parse_json
+
+            r = validate(DetokenizeRequest, parse_json(body))
+            checker.model_of(r)
+            try:
+                return detok.decode(validate_prompt(r.tokens, checker.vocab))
+            except (RefEngineError, ValueError) as e:
+                raise bad(str(e), "tokens") from e
+
+        return {"prompt": await off(work, await read_body(http, cfg.max_request_bytes))}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, http: Request) -> Response:
-        check_completion(body)
-        prompts = [ids_of(p) for p in prompts_of(body.prompt)]
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        n_lp, stops, echo = body.logprobs, stop_list(body.stop), bool(body.echo)
+    async def completions(http: Request) -> Response:
+        r, prep = await off(checker.completion, await read_body(http, cfg.max_request_bytes))
+        echo = bool(r.echo)
+        n_lp = prep.n_logprobs
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def head(choices: list, **extra: Any) -> dict:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": body.model or model_name,
-                "choices": choices,
-                **extra,
-            }
+            obj = "text_completion"
+            return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
 
-        if body.stream:
-            if len(prompts) != 1:
-                raise ApiError(400, "stream=true takes one prompt", "prompt")
-            if echo:
-                raise ApiError(400, "echo with stream=true is not supported", "echo")
-            stream = loop.submit(prompts[0], params(max_tokens, n_lp))
-            first = await first_update(stream, http)
+        if prep.stream:
+            stream = loop.submit(prep.prompts[0], prep.params)
+            first = await first_update(loop, stream, http)
 
-            def chunk(text, ids, rows, finish, usage_=None):
-                if text is None:
-                    return head([], usage=usage_)
-                lp = completion_logprobs(detok, ids, rows, n_lp) if n_lp is not None else None
+            def chunk(text: str, ids: list[int], rows: list, offs: list[int], finish: str | None) -> dict:
+                lp = completion_logprobs(detok, ids, rows, n_lp, offs) if n_lp is not None else None
                 return head([{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}])
 
-            inc = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return stream_response(stream, first, stops, http, chunk, inc)
+            return stream_response(loop, detok, stream, first, prep, http, chunk, lambda u: head([], usage=u))
 
-        async def one(i: int, ids: list[int]) -> tuple[dict, int]:
+        async def one(i: int, ids: list[int], prompt_text: str, stream: Stream | None) -> tuple[dict, int]:
             text, lp, finish, n_gen = "", None, "length", 0
-            prompt_text = detok.decode(ids) if echo else ""
-            if max_tokens > 0:
-                state, rows, finish = await run_one(ids, params(max_tokens, n_lp), stops, http)
-                text, n_gen = state.text, len(state.kept_ids)
+            if stream is not None:
+                c = await run_one(loop, detok, stream, prep, http)
+                st, finish = c.state, c.finish or "abort"
+                kept = st.kept_ids
+                text, n_gen = st.text, len(kept)
                 if n_lp is not None:
-                    lp = completion_logprobs(detok, state.kept_ids, rows, n_lp, len(prompt_text))
+                    lp = completion_logprobs(detok, kept, c.rows, n_lp, st.offsets(0, len(kept), len(prompt_text)))
             if echo and n_lp is not None:
                 k = max(1, n_lp)
                 scored = await asyncio.wrap_future(loop.call(lambda e: prompt_logprobs(e.target, ids, k)))
@@ -257,69 +167,66 @@ def create_app(loop: EngineLoop, detok: Detok, model_name: str, chat_template: s
                 offs = [sum(len(t) for t in toks[:j]) for j in range(len(toks))]
                 plp: dict[str, list] = {
                     "tokens": toks,
-                    "token_logprobs": [r[0] if r else None for r in scored],
+                    "token_logprobs": [row[0] if row else None for row in scored],
                     "top_logprobs": [
-                        {detok.token(t): v for t, v in zip(r[1][:n_lp], r[2][:n_lp])} if r else None for r in scored
+                        {detok.token(t): v for t, v in zip(row[1][:n_lp], row[2][:n_lp])} if row else None
+                        for row in scored
                     ],
                     "text_offset": offs,
                 }
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
             return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen
 
-        results = await asyncio.gather(*[one(i, ids) for i, ids in enumerate(prompts)])
-        p_tok = sum(len(p) for p in prompts)
+        texts = [await off(detok.decode, ids) if echo else "" for ids in prep.prompts]
+        streams: list[Stream | None] = [None] * len(prep.prompts)
+        if prep.max_tokens > 0:
+            loop.reserve(len(prep.prompts))  # then every submit at once: no await in between
+            streams = [loop.submit(ids, prep.params, reserved=True) for ids in prep.prompts]
+        try:
+            results = await asyncio.gather(*[one(i, *x) for i, x in enumerate(zip(prep.prompts, texts, streams))])
+        except BaseException:
+            for s in streams:
+                if s is not None:
+                    loop.abort(s, "another prompt of the request failed")
+            raise
+        p_tok = sum(len(p) for p in prep.prompts)
         return JSONResponse(head([c for c, _ in results], usage=usage(p_tok, sum(n for _, n in results))))
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, http: Request) -> Response:
-        check_chat(body)
-        text = template.render(
-            messages=[{"role": m.role, "content": m.text()} for m in body.messages], add_generation_prompt=True
-        )
-        ids = ids_of(text)
-        max_tokens = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
-        n_lp = (body.top_logprobs or 0) if body.logprobs else None
-        stops = stop_list(body.stop)
+    async def chat(http: Request) -> Response:
+        _r, prep = await off(checker.chat, await read_body(http, cfg.max_request_bytes), render)
+        ids, n_lp = prep.prompts[0], prep.n_logprobs
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        sp = params(max_tokens, n_lp)
 
         def head(obj: str, choices: list, **extra: Any) -> dict:
-            return {
-                "id": cid,
-                "object": obj,
-                "created": created,
-                "model": body.model or model_name,
-                "choices": choices,
-                **extra,
-            }
+            return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
 
-        if body.stream:
-            stream = loop.submit(ids, sp)
-            first = await first_update(stream, http)
+        stream = loop.submit(ids, prep.params)
+        if prep.stream:
+            first = await first_update(loop, stream, http)
             started = [False]
 
-            def chunk(piece, tids, rows, finish, usage_=None):
-                if piece is None:
-                    return head("chat.completion.chunk", [], usage=usage_)
+            def chunk(piece: str, tids: list[int], rows: list, _offs: list[int], finish: str | None) -> dict:
                 delta: dict[str, Any] = {"content": piece}
                 if not started[0]:
                     delta["role"], started[0] = "assistant", True
                 lp = chat_logprobs(detok, tids, rows, n_lp) if n_lp is not None else None
-                return head(
-                    "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
-                )
+                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                return head("chat.completion.chunk", [choice])
 
-            inc = bool(body.stream_options and body.stream_options.get("include_usage"))
-            return stream_response(stream, first, stops, http, chunk, inc)
+            return stream_response(
+                loop, detok, stream, first, prep, http, chunk, lambda u: head("chat.completion.chunk", [], usage=u)
+            )
 
-        state, rows, finish = await run_one(ids, sp, stops, http)
-        lp = chat_logprobs(detok, state.kept_ids, rows, n_lp) if n_lp is not None else None
+        c = await run_one(loop, detok, stream, prep, http)
+        kept = c.state.kept_ids
+        lp = chat_logprobs(detok, kept, c.rows, n_lp) if n_lp is not None else None
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": state.text},
+            "message": {"role": "assistant", "content": c.state.text},
             "logprobs": lp,
-            "finish_reason": finish,
+            "finish_reason": c.finish or "abort",
         }
-        return JSONResponse(head("chat.completion", [choice], usage=usage(len(ids), len(state.kept_ids))))
+        return JSONResponse(head("chat.completion", [choice], usage=usage(len(ids), len(kept))))
 
-    return app
+    return Guard(app, cfg)

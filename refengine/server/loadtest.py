@@ -1,5 +1,6 @@
 """`refengine serve-bench`: N concurrent streaming clients against a running server; prints requests/s and
 tok/s as JSON (last line). Standard library only (http.client + threads), so it runs on a machine with no pip.
+With --soak, a mixed load that checks every answer instead (refengine/server/soak.py).
 
 Each client loops: POST /v1/completions with stream=true and a fixed max_tokens (ignore_eos is not an OpenAI
 field, so the count of streamed tokens is what is measured, from the final usage chunk), until --duration
@@ -30,7 +31,6 @@ def one_request(host: str, port: int, prompt: str, max_tokens: int, timeout: flo
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     body = json.dumps(
         {
-            "model": "refengine",
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
@@ -130,6 +130,23 @@ def run_load(
 
 
 def cmd_serve_bench(args: argparse.Namespace) -> int:
+    if args.soak:
+        from refengine.server.soak import parse_mix, run_soak
+
+        u = urlparse(args.url)
+        res = run_soak(
+            u.hostname or "127.0.0.1",
+            u.port or 80,
+            args.concurrency,
+            args.duration,
+            args.max_tokens,
+            parse_mix(args.mix),
+            args.oversize_bytes,
+            args.timeout,
+            api_key=args.api_key,
+        )
+        print(json.dumps(res))
+        return 0 if res["ok"] else 1
     res = run_load(args.url, args.concurrency, args.max_tokens, args.duration, args.requests, args.timeout)
     print(json.dumps(res))
     return 0 if res["errors"] == 0 and res["requests"] > 0 else 1
@@ -143,4 +160,17 @@ def add_serve_bench_parser(sub) -> None:
     s.add_argument("--duration", type=float, default=60.0, help="seconds to keep issuing requests")
     s.add_argument("--requests", type=int, default=0, help="stop after this many requests (0: no cap)")
     s.add_argument("--timeout", type=float, default=120.0, help="socket timeout per request, seconds")
+    s.add_argument(
+        "--soak",
+        action="store_true",
+        help="mixed load checking every answer (refengine/server/soak.py); the summary JSON is the last line, "
+        "exit 0 when no valid request failed, every oversized one got 413 and the KV blocks drained to 0",
+    )
+    s.add_argument(
+        "--mix",
+        default="stream=30,plain=15,logprobs=15,stop=15,chat=10,disconnect=10,oversized=5",
+        help="--soak: request kinds and their weights",
+    )
+    s.add_argument("--oversize-bytes", type=int, default=9 << 20, help="--soak: body size of an oversized request")
+    s.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
     s.set_defaults(func=cmd_serve_bench)

@@ -28,6 +28,7 @@ from refengine.server.protocol import ApiError, internal_error
 
 log = logging.getLogger("refengine.server")
 IDLE_WAIT_S = 0.05  # how long the idle loop blocks on the command queue before checking for shutdown
+RETRY_AFTER_S = 1  # the Retry-After of a 429 (server busy)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Stream:
         self.aloop, self.prompt_ids, self.params = aloop, prompt_ids, params
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.request_id: int | None = None
+        self.closed = False  # its outstanding slot was given back (set on the loop thread)
 
     def push(self, update: Update) -> None:
         try:
@@ -67,8 +69,15 @@ class _Live:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine):
+    """`max_outstanding`: requests submitted and not yet finished (running + waiting + queued commands) past
+    which submit raises a 429 ApiError with Retry-After; None: unbounded."""
+
+    def __init__(self, engine: Engine, max_outstanding: int | None = None):
         self.engine = engine
+        self.max_outstanding = max_outstanding
+        self.outstanding = 0
+        self.rejected_busy = 0
+        self._lock = threading.Lock()
         self._cmds: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         self._live: dict[int, _Live] = {}
         self._stop = threading.Event()
@@ -91,14 +100,44 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Stream:
-        """From a coroutine: queue a generation; Updates arrive on the returned Stream's queue."""
+    def reserve(self, n: int) -> None:
+        """Take n outstanding slots (one per submit to come), or raise a 429 ApiError taking none."""
+        with self._lock:
+            if self.max_outstanding is not None and self.outstanding + n > self.max_outstanding:
+                self.rejected_busy += 1
+                raise ApiError(
+                    429,
+                    f"the server is busy ({self.outstanding} requests running or waiting, at most "
+                    f"{self.max_outstanding}): retry later",
+                    None,
+                    "rate_limit_error",
+                    "server_busy",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            self.outstanding += n
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, reserved: bool = False) -> Stream:
+        """From a coroutine: queue a generation; Updates arrive on the returned Stream's queue. Takes an
+        outstanding slot unless `reserved` (reserve() took it)."""
+        if not reserved:
+            self.reserve(1)
         stream = Stream(asyncio.get_running_loop(), prompt_ids, params)
         self._cmds.put(("add", stream, None))
         return stream
 
+    def _close(self, stream: Stream) -> None:
+        if not stream.closed:
+            stream.closed = True
+            with self._lock:
+                self.outstanding -= 1
+
     def abort(self, stream: Stream, message: str = "aborted by the server") -> None:
         self._cmds.put(("abort", stream, message))
+
+    def abort_all(self, message: str) -> None:
+        """End every running request with a 503 (graceful shutdown's deadline): handlers answer it, streams
+        send it as their last event."""
+        self._cmds.put(("abort_all", message, None))
 
     def call(self, fn: Callable[[Engine], Any]) -> Future:
         """Run fn(engine) on the loop thread between steps (e.g. prompt scoring); a Future of its result."""
@@ -117,9 +156,15 @@ class EngineLoop:
                     log.exception("engine step failed")
                     self._fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             self._publish()
-        for live in list(self._live.values()):
-            self._abort(live.stream, "server shutting down", notify=False)
-            live.stream.push(Update(error=internal_error("server shutting down")))
+        self._fail_all("server shutting down")
+        while True:  # adds queued behind the stop are answered too
+            try:
+                kind, a, _ = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._close(a)
+                a.push(Update(error=ApiError(503, "server shutting down", None, "server_error", "shutting_down")))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -138,6 +183,10 @@ class EngineLoop:
             self._add(a)
         elif kind == "abort":
             self._abort(a, b)
+        elif kind == "abort_all":
+            for live in list(self._live.values()):
+                self._abort(live.stream, a, notify=False)
+                live.stream.push(Update(error=ApiError(503, a, None, "server_error", "shutting_down")))
         elif kind == "call":
             fut: Future = b
             if fut.set_running_or_notify_cancel():
@@ -150,15 +199,18 @@ class EngineLoop:
         try:
             req = self.engine.add_request(stream.prompt_ids, stream.params)
         except RefEngineError as e:
+            self._close(stream)
             stream.push(Update(error=ApiError(400, str(e), "prompt")))
             return
         except Exception as e:  # noqa: BLE001
             log.exception("add_request failed")
+            self._close(stream)
             stream.push(Update(error=internal_error(f"{type(e).__name__}: {e}")))
             return
         stream.request_id = req.request_id
         if req.reject_reason is not None:
             self.finished["rejected"] += 1
+            self._close(stream)
             param = "prompt" if req.reject_reason.value == "invalid" else "max_tokens"
             stream.push(Update(error=ApiError(400, req.message, param, code=req.reject_reason.value)))
             return
@@ -169,6 +221,7 @@ class EngineLoop:
         if rid is None or rid not in self._live:
             return  # never admitted, or already finished
         del self._live[rid]
+        self._close(stream)
         try:
             self.engine.abort(rid, message)
         except Exception:  # noqa: BLE001
@@ -196,6 +249,7 @@ class EngineLoop:
                 live.stream.push(Update(list(new), list(rows), req.finish_reason if req.finished else None))
             if req.finished:
                 del self._live[rid]
+                self._close(live.stream)
         for r in self.engine.finished:  # fold into the totals; the engine's list would grow forever otherwise
             self.spec.merge(r.spec)
             self.finished[r.finish_reason.value if r.finish_reason else "unknown"] += 1
@@ -221,4 +275,16 @@ class EngineLoop:
             "finished": dict(self.finished),
             "tokens_generated": self.tokens_generated,
             "live_streams": len(self._live),
+            "outstanding": self.outstanding,
+            "rejected_busy": self.rejected_busy,
+            "span": self._span_stats(),
         }
+
+    def _span_stats(self) -> dict[str, Any]:
+        """The span policy's chosen spans and errors (Engine.span_stats, without its detail)."""
+        try:
+            st = self.engine.span_stats()
+        except Exception:  # noqa: BLE001 - metrics must not take the loop down
+            log.exception("Engine.span_stats failed")
+            return {"policy": "unknown", "spans": {}, "errors": 0}
+        return {"policy": st.get("policy", "?"), "spans": dict(st.get("spans", {})), "errors": st.get("errors", 0)}

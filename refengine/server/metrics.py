@@ -1,59 +1,97 @@
-"""Prometheus text exposition (format 0.0.4) of the engine loop's latest snapshot (refengine/server/loop.py)."""
+"""Prometheus text exposition (format 0.0.4) of the engine loop's latest snapshot (refengine/server/loop.py),
+rendered by prometheus_client (which escapes label values: a served model name may hold quotes, backslashes
+or newlines)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+TIMING_KEYS = ("draft_s", "verify_s", "prefill_s", "decode_s")  # Engine runner timings exported as counters
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class SnapshotCollector:
+    """A prometheus_client collector reading a snapshot dict from `get()` at every scrape."""
+
+    def __init__(self, get: Any, model: str):
+        self.get, self.model = get, model
+
+    def collect(self) -> Iterator[Metric]:
+        s: dict[str, Any] = self.get()
+        m = self.model
+
+        def one(family: type, name: str, help_: str, value: float) -> Metric:
+            f = family(f"refengine_{name}", help_, labels=["model"])
+            f.add_metric([m], value)
+            return f
+
+        yield one(GaugeMetricFamily, "requests_running", "Requests in the running batch.", s["running"])
+        yield one(GaugeMetricFamily, "requests_waiting", "Requests waiting for admission.", s["waiting"])
+        yield one(GaugeMetricFamily, "kv_blocks_used", "KV cache blocks allocated.", s["kv_blocks_used"])
+        yield one(GaugeMetricFamily, "kv_blocks_free", "KV cache blocks free.", s["kv_blocks_free"])
+        yield one(GaugeMetricFamily, "kv_blocks_total", "KV cache blocks in the pool.", s["kv_blocks_total"])
+        yield one(GaugeMetricFamily, "speculative", "1 when a DFlash drafter speculates.", int(s["speculative"]))
+        yield one(GaugeMetricFamily, "spec_tau", "Tokens committed per verify step, over finished requests.", s["tau"])
+        yield one(CounterMetricFamily, "spec_verify_steps", "Verify steps of finished requests.", s["verify_steps"])
+        hist = s["accepted_hist"]
+        buckets, cum = [], 0
+        for length in sorted(hist):
+            cum += hist[length]
+            buckets.append((str(length), cum))
+        buckets.append(("+Inf", cum))
+        h = HistogramMetricFamily(
+            "refengine_spec_accepted_length",
+            "Committed length (accepted drafts + 1) per verify step.",
+            labels=["model"],
+        )
+        h.add_metric([m], buckets, sum_value=s["committed_tokens"])
+        yield h
+        span = s.get("span", {})
+        spans = CounterMetricFamily(
+            "refengine_spec_span_steps",
+            f"Request-steps per verify span chosen by the span policy ({span.get('policy', 'off')}); "
+            "span 1: a drafting request decoded plainly.",
+            labels=["model", "span"],
+        )
+        for k, n in sorted(span.get("spans", {}).items(), key=lambda kv: int(kv[0])):
+            spans.add_metric([m, str(k)], n)
+        yield spans
+        yield one(
+            CounterMetricFamily,
+            "spec_policy_errors",
+            "Span choices that raised (those steps decoded plainly).",
+            span.get("errors", 0),
+        )
+        t = s["timings"]
+        for key in TIMING_KEYS:
+            yield one(CounterMetricFamily, f"{key[:-2]}_seconds", f"Engine time in {key[:-2]}.", t.get(key, 0.0))
+        yield one(CounterMetricFamily, "generation_tokens", "Tokens streamed to requests.", s["tokens_generated"])
+        fin = CounterMetricFamily(
+            "refengine_requests_finished", "Finished requests by finish reason.", labels=["model", "reason"]
+        )
+        for r, n in sorted(s["finished"].items()):
+            fin.add_metric([m, r], n)
+        yield fin
+        yield one(GaugeMetricFamily, "requests_outstanding", "Requests submitted and not finished.", s["outstanding"])
+        yield one(
+            CounterMetricFamily,
+            "requests_rejected_busy",
+            "Requests refused with 429 (the waiting queue was full).",
+            s["rejected_busy"],
+        )
+
+
+def metrics_registry(get: Any, model: str) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SnapshotCollector(get, model))
+    ProcessCollector(registry=reg)  # process_resident_memory_bytes & co. (Linux /proc; nothing elsewhere)
+    return reg
 
 
 def render_metrics(s: dict[str, Any], model: str) -> str:
-    lines: list[str] = []
-    lab = f'model="{model}"'
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP refengine_{name} {help_}")
-        lines.append(f"# TYPE refengine_{name} {kind}")
-        for suffix_labels, value in samples:
-            lines.append(f"refengine_{name}{suffix_labels} {value}")
-
-    metric("requests_running", "gauge", "Requests in the running batch.", [(f"{{{lab}}}", s["running"])])
-    metric("requests_waiting", "gauge", "Requests waiting for admission.", [(f"{{{lab}}}", s["waiting"])])
-    metric("kv_blocks_used", "gauge", "KV cache blocks allocated.", [(f"{{{lab}}}", s["kv_blocks_used"])])
-    metric("kv_blocks_free", "gauge", "KV cache blocks free.", [(f"{{{lab}}}", s["kv_blocks_free"])])
-    metric("kv_blocks_total", "gauge", "KV cache blocks in the pool.", [(f"{{{lab}}}", s["kv_blocks_total"])])
-    metric("speculative", "gauge", "1 when a DFlash drafter speculates.", [(f"{{{lab}}}", int(s["speculative"]))])
-    metric(
-        "spec_tau",
-        "gauge",
-        "Tokens committed per verify step, over finished requests.",
-        [(f"{{{lab}}}", round(s["tau"], 6))],
-    )
-    metric(
-        "spec_verify_steps_total", "counter", "Verify steps of finished requests.", [(f"{{{lab}}}", s["verify_steps"])]
-    )
-    hist = s["accepted_hist"]
-    buckets, cum = [], 0
-    for length in sorted(hist):
-        cum += hist[length]
-        buckets.append((f'_bucket{{{lab},le="{length}"}}', cum))
-    buckets.append((f'_bucket{{{lab},le="+Inf"}}', cum))
-    buckets.append((f"_sum{{{lab}}}", s["committed_tokens"]))
-    buckets.append((f"_count{{{lab}}}", s["verify_steps"]))
-    metric("spec_accepted_length", "histogram", "Committed length (accepted drafts + 1) per verify step.", buckets)
-    t = s["timings"]
-    for key in ("draft_s", "verify_s", "prefill_s", "decode_s", "shadow_s"):
-        metric(
-            f"{key[:-2]}_seconds_total",
-            "counter",
-            f"Engine time in {key[:-2]}.",
-            [(f"{{{lab}}}", round(t.get(key, 0.0), 6))],
-        )
-    metric(
-        "generation_tokens_total", "counter", "Tokens streamed to requests.", [(f"{{{lab}}}", s["tokens_generated"])]
-    )
-    metric(
-        "requests_finished_total",
-        "counter",
-        "Finished requests by finish reason.",
-        [(f'{{{lab},reason="{r}"}}', n) for r, n in sorted(s["finished"].items())] or [(f"{{{lab}}}", 0)],
-    )
-    return "\n".join(lines) + "\n"
+    """The exposition text of one snapshot."""
+    return generate_latest(metrics_registry(lambda: s, model)).decode()

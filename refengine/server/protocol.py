@@ -1,17 +1,18 @@
-"""OpenAI-style request models, their checks against what the engine can honour, and error bodies.
+"""OpenAI-style request models (strict types) and error bodies; refengine/server/checks.py checks them against
+what the engine can honour.
 
-Unknown fields are accepted and ignored (extra="allow"): clients (the openai package, lm-eval) send fields
-that mean nothing under greedy decoding, such as `seed` and `user`. A field whose value would change the
-output in a way the engine cannot honour (temperature > 0, n > 1, penalties, a non-empty logit_bias, ...) is
-an ApiError (HTTP 400, `invalid_request_error`) naming it."""
+Types are strict: `max_tokens: true` or `stream: "yes"` is a 400 naming the field, not a coercion (an int
+for a float field is accepted, as JSON does not tell 1 from 1.0). Unknown fields are accepted and ignored
+(extra="allow"): clients (the openai package, lm-eval) send fields that mean nothing under greedy decoding,
+such as `seed`, `user` or `metadata`. A known field whose value would change the output in a way the engine
+cannot honour (temperature > 0, n > 1, penalties, a non-empty logit_bias, tools, response_format, ...) is a
+400 naming it (checks.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
-
-from refengine.request import MAX_LOGPROBS
 
 # Used when the tokenizer ships no chat template: ChatML, the format of Qwen3's own template without tools.
 CHATML_TEMPLATE = (
@@ -21,10 +22,11 @@ CHATML_TEMPLATE = (
 )
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_DEFAULT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens (OpenAI: up to the context)
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # tool / function messages need tools: unsupported
 
 
 class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, the offending field (param)."""
+    """An OpenAI-style error: HTTP status, message, the offending field (param), optional extra headers."""
 
     def __init__(
         self,
@@ -33,9 +35,11 @@ class ApiError(Exception):
         param: str | None = None,
         type_: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -45,21 +49,40 @@ def internal_error(message: str) -> ApiError:
     return ApiError(500, message, None, "internal_server_error", "internal_error")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def not_found(what: str) -> ApiError:
+    return ApiError(404, what, None, "invalid_request_error", "not_found")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class _Common(_Strict):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None  # vLLM's; meaningless under greedy decoding
+    min_p: float | None = None  # vLLM's; meaningless under greedy decoding
     n: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extensions
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
 
 
 class CompletionRequest(_Common):
@@ -70,22 +93,19 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise ApiError(
-                    400, f"message content part of type {p.get('type')!r}: only text is supported", "messages"
-                )
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
+        return "".join(p.text for p in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -93,62 +113,25 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    echo: bool | None = None  # vLLM's
+    add_generation_prompt: bool | None = None  # vLLM's
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's
 
 
-def check_common(r: _Common) -> None:
-    """400 naming the first field the engine cannot honour; a no-op for the defaults clients send."""
-    if r.temperature not in (None, 0):
-        raise ApiError(
-            400, f"temperature={r.temperature}: only greedy decoding (temperature 0) is supported", "temperature"
-        )
-    if r.top_p is not None and not 0 < r.top_p <= 1:
-        raise ApiError(400, f"top_p={r.top_p} must be in (0, 1]", "top_p")
-    if r.n not in (None, 1):
-        raise ApiError(400, f"n={r.n}: only n=1 is supported (greedy gives one answer)", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(r, name) not in (None, 0):
-            raise ApiError(400, f"{name}={getattr(r, name)}: penalties are not supported (use 0)", name)
-    if r.logit_bias:
-        raise ApiError(400, "logit_bias is not supported (send it empty or omit it)", "logit_bias")
-    if r.max_tokens is not None and r.max_tokens < 0:
-        raise ApiError(400, f"max_tokens={r.max_tokens} must be >= 0", "max_tokens")
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool | None = True
+    add_special_tokens: bool | None = None
 
 
-def check_completion(r: CompletionRequest) -> None:
-    check_common(r)
-    if r.best_of not in (None, 1):
-        raise ApiError(400, f"best_of={r.best_of}: only best_of=1 is supported", "best_of")
-    if r.suffix:
-        raise ApiError(400, "suffix is not supported", "suffix")
-    if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
-        raise ApiError(400, f"logprobs={r.logprobs} must be in 0..{MAX_LOGPROBS}", "logprobs")
-    if r.max_tokens == 0 and not r.echo:
-        raise ApiError(400, "max_tokens=0 needs echo=true (scoring the prompt)", "max_tokens")
-    if r.max_tokens == 0 and r.stream:
-        raise ApiError(400, "max_tokens=0 (prompt scoring) cannot stream", "stream")
-
-
-def check_chat(r: ChatCompletionRequest) -> None:
-    check_common(r)
-    if r.top_logprobs is not None and not 0 <= r.top_logprobs <= MAX_LOGPROBS:
-        raise ApiError(400, f"top_logprobs={r.top_logprobs} must be in 0..{MAX_LOGPROBS}", "top_logprobs")
-    if r.max_tokens == 0 or r.max_completion_tokens == 0:
-        raise ApiError(400, "max_tokens must be >= 1 for chat", "max_tokens")
-    if not r.messages:
-        raise ApiError(400, "messages must not be empty", "messages")
-
-
-def stop_list(stop: str | list[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return [s for s in stops if s]
-
-
-def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt must not be empty", "prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -21,8 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import lm_eval  # noqa: F401  (.[test] installs it: missing is an install error, not a skip)
 import pytest
+
+from tests.serve.conftest import require
 
 pytestmark = pytest.mark.lm_eval
 
@@ -55,6 +56,7 @@ def run_lm_eval(urls: list[str], out: Path) -> dict:
 
 
 def test_lm_eval_spec_on_equals_off(spec_server, plain_server, tmp_path):
+    require("lm_eval")  # the driver subprocess imports it; missing fails here with the extra to install
     on, off = (
         r["samples"] | {"results": [r["results"]]}
         for r in run_lm_eval([spec_server.url, plain_server.url], tmp_path / "lm_eval.json")["runs"]

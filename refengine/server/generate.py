@@ -1,0 +1,155 @@
+"""One choice's generation as the HTTP handlers see it: Updates from the engine loop through a TextState, to
+the end (non-streaming) or as SSE chunks (streaming). Both paths take the same TextState pieces, so a stream
+carries exactly the non-streamed text, tokens and logprobs (with their offsets)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from refengine.request import FinishReason
+from refengine.runner.logits import TopK
+from refengine.server.checks import Prepared
+from refengine.server.loop import EngineLoop, Stream, Update
+from refengine.server.protocol import ApiError, internal_error
+from refengine.server.text import Detok, TextState
+
+POLL_S = 0.5  # how often a waiting handler checks whether its client is still there
+FINISH = {FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
+
+# chunk(piece, token ids, top-k rows, offsets, finish) -> one SSE event body
+Chunk = Callable[[str, list[int], list[TopK], list[int], "str | None"], dict]
+
+
+class ClientGone(Exception):
+    pass
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def usage(p: int, c: int) -> dict[str, int]:
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclass
+class Choice:
+    """One generation's state: the TextState, every token's top-k row, and its finish reason once over."""
+
+    state: TextState
+    rows: list[TopK] = field(default_factory=list)
+    finish: str | None = None
+
+    def feed(self, upd: Update) -> None:
+        self.state.add(upd.token_ids)
+        self.rows += upd.topk
+        if self.state.stopped:
+            self.finish = "stop"
+        elif upd.finish_reason is not None:
+            self.finish = FINISH.get(upd.finish_reason, "abort")
+
+
+def new_choice(detok: Detok, prep: Prepared) -> Choice:
+    return Choice(TextState(detok, prep.stops, prep.stop_ids, prep.min_tokens))
+
+
+async def updates(stream: Stream, http: Request) -> AsyncIterator[Update]:
+    """The stream's Updates until its final one; raises its ApiError, or ClientGone (checked every POLL_S
+    whether or not tokens are flowing)."""
+    checked = time.monotonic()
+    while True:
+        try:
+            upd = await asyncio.wait_for(stream.queue.get(), POLL_S)
+        except asyncio.TimeoutError:
+            upd = None
+        if time.monotonic() - checked >= POLL_S:
+            checked = time.monotonic()
+            if await http.is_disconnected():
+                raise ClientGone()
+        if upd is None:
+            continue
+        if upd.error is not None:
+            raise upd.error
+        yield upd
+        if upd.final:
+            return
+
+
+async def run_one(loop: EngineLoop, detok: Detok, stream: Stream, prep: Prepared, http: Request) -> Choice:
+    """Generate one submitted choice to the end."""
+    choice = new_choice(detok, prep)
+    try:
+        async for upd in updates(stream, http):
+            choice.feed(upd)
+            if choice.finish is not None:
+                break
+    finally:
+        if choice.finish is None or choice.state.stopped:
+            loop.abort(stream, "stop reached" if choice.state.stopped else "client disconnected")
+    choice.state.take(final=True)
+    return choice
+
+
+async def first_update(loop: EngineLoop, stream: Stream, http: Request) -> Update:
+    """The first Update, before the 200 is sent (so a rejection is still an HTTP error)."""
+    try:
+        async for upd in updates(stream, http):
+            return upd
+    except BaseException:
+        loop.abort(stream, "client disconnected")
+        raise
+    raise internal_error("the engine loop ended the request without an update")
+
+
+def stream_response(
+    loop: EngineLoop,
+    detok: Detok,
+    stream: Stream,
+    first: Update,
+    prep: Prepared,
+    http: Request,
+    chunk: Chunk,
+    usage_chunk: Callable[[dict], dict],
+    base_offset: int = 0,
+) -> StreamingResponse:
+    """SSE: one event per update that has text or tokens to send (every kept token exactly once, with its
+    top-k row and text offset), the finish reason on the last; the usage chunk when asked; `data: [DONE]`."""
+
+    async def gen() -> AsyncIterator[str]:
+        choice, done = new_choice(detok, prep), False
+        st = choice.state
+        try:
+            upd: Update | None = first
+            it = updates(stream, http)
+            while upd is not None:
+                choice.feed(upd)
+                piece, lo, hi = st.take(final=choice.finish is not None)
+                if piece or hi > lo or choice.finish is not None:
+                    ids = st.ids[lo:hi]
+                    rows = choice.rows[lo:hi] if prep.n_logprobs is not None else []
+                    yield sse(chunk(piece, ids, rows, st.offsets(lo, hi, base_offset), choice.finish))
+                if choice.finish is not None:
+                    done = True
+                    break
+                upd = await it.__anext__()
+            if prep.include_usage:
+                yield sse(usage_chunk(usage(len(stream.prompt_ids), len(st.kept_ids))))
+            yield "data: [DONE]\n\n"
+        except ApiError as e:
+            yield sse(e.body())
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            return  # `done` is False: aborted below
+        finally:
+            if not done or st.stopped:
+                loop.abort(stream, "client disconnected" if not done else "stop reached")
+
+    return StreamingResponse(gen(), media_type="text/event-stream")
