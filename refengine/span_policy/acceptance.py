@@ -10,7 +10,8 @@ POPULATION_DECAY a block observed.
 The mean starts a new request at the population's rate and moves it to its own as it drafts. The optimistic
 estimate asks what the request's own evidence cannot rule out (a uniform prior, not the population's: a
 workload whose requests never accepted may have turned), which is how exploration finds out. `tables` gives per
-request the tokens a span s is expected to commit, E_i(s) = 1 + sum_{k<s} prod_{j<=k} a_ij.
+request the tokens a span s is expected to commit, E_i(s) = 1 + sum_{k<s} prod_{j<=k} a_ij. Counts live in one
+array, a row per live request, so a step's observations and tables are a few vectorised operations.
 """
 
 from __future__ import annotations
@@ -28,53 +29,70 @@ class AcceptanceEstimates:
     def __init__(self, block_size: int):
         self.width = block_size - 1  # draft positions 1..B-1
         self.population = np.zeros((2, self.width))  # [passed, tried] per position
-        self.requests: dict[int, tuple[np.ndarray, int]] = {}  # req -> ([passed, tried] per position, as of step)
+        self.counts = np.zeros((8, 2, self.width))  # a row per live request: [passed, tried] as of `since`
+        self.since = np.zeros(8, dtype=np.int64)  # the step each row's counts are as of
+        self.rows: dict[int, int] = {}  # req -> its row
+        self._free = list(range(7, -1, -1))
+        self._positions = np.arange(self.width)
         self.step = 0
 
     def add(self, req_id: int) -> None:
-        self.requests[req_id] = (np.zeros((2, self.width)), self.step)
+        if not self._free:  # double the rows
+            n = len(self.since)
+            self.counts = np.concatenate([self.counts, np.zeros_like(self.counts)])
+            self.since = np.concatenate([self.since, np.zeros_like(self.since)])
+            self._free = list(range(2 * n - 1, n - 1, -1))
+        row = self.rows[req_id] = self._free.pop()
+        self.counts[row] = 0.0
+        self.since[row] = self.step
 
     def remove(self, req_id: int) -> None:
-        self.requests.pop(req_id, None)
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            self._free.append(row)
 
     def advance(self) -> None:
         """One step passed (a decision): every request's evidence fades by REQUEST_DECAY."""
         self.step += 1
 
-    def _current(self, req_id: int) -> np.ndarray | None:
-        got = self.requests.get(req_id)
-        if got is None:
-            return None
-        counts, at = got
-        if at != self.step:
-            counts *= REQUEST_DECAY ** (self.step - at)
-            self.requests[req_id] = (counts, self.step)
-        return counts
+    def _faded(self, rows: np.ndarray) -> np.ndarray:
+        return self.counts[rows] * (REQUEST_DECAY ** (self.step - self.since[rows]))[:, None, None]
 
-    def observe(self, req_id: int, span: int, accepted: int) -> None:
-        """A block of span - 1 drafts of which the first `accepted` were accepted."""
-        if span < 2:
+    def observe(self, req_ids: Sequence[int], spans: Sequence[int], accepted: Sequence[int]) -> None:
+        """A step's blocks: request req_ids[i] verified spans[i] tokens and accepted accepted[i] drafts (spans of
+        1 drafted nothing)."""
+        span, acc = np.asarray(spans), np.asarray(accepted)
+        drafted = span > 1
+        if not drafted.any():
             return
-        tried = min(accepted + 1, span - 1)
-        own = self._current(req_id)
-        self.population *= POPULATION_DECAY
-        for counts in (own, self.population):
-            if counts is not None:
-                counts[0, :accepted] += 1.0
-                counts[1, :tried] += 1.0
+        span, acc = span[drafted], acc[drafted]
+        passed = self._positions < acc[:, None]  # [n, B-1]
+        tried = self._positions < np.minimum(acc + 1, span - 1)[:, None]
+        self.population *= POPULATION_DECAY ** len(span)
+        self.population[0] += passed.sum(0)
+        self.population[1] += tried.sum(0)
+        known = [(i, self.rows[r]) for i, r in enumerate(np.asarray(req_ids)[drafted].tolist()) if r in self.rows]
+        if known:
+            which = np.array([i for i, _ in known])
+            rows = np.array([row for _, row in known])
+            counts = self._faded(rows)
+            counts[:, 0] += passed[which]
+            counts[:, 1] += tried[which]
+            self.counts[rows], self.since[rows] = counts, self.step
 
     def rates(self) -> np.ndarray:
         """The population's acceptance rate at each position [B-1]."""
         return (self.population[0] + 1.0) / (self.population[1] + 2.0)
 
-    def tables(self, req_ids: Sequence[int], z: float = 0.0) -> np.ndarray:
-        """E_i(s) for s = 1..B, [len(req_ids), B] (column s - 1): the mean (z = 0) or optimistic estimate."""
-        empty = np.zeros((2, self.width))
-        counts = np.stack([c if (c := self._current(r)) is not None else empty for r in req_ids])  # [N, 2, B-1]
+    def tables(self, req_ids: Sequence[int], z: float | None = None) -> np.ndarray:
+        """E_i(s) for s = 1..B, [len(req_ids), B] (column s - 1), from the mean estimate; with `z`, [2, N, B]:
+        the mean's and the optimistic estimate's. An unknown request has no evidence of its own."""
+        rows = np.array([self.rows.get(r, -1) for r in req_ids])
+        counts = np.where((rows >= 0)[:, None, None], self._faded(np.maximum(rows, 0)), 0.0)  # [N, 2, B-1]
         passed, tried = counts[:, 0], counts[:, 1]
         a = (passed + PRIOR_WEIGHT * self.rates()) / (tried + PRIOR_WEIGHT)
-        if z:
+        if z is not None:
             own = (passed + 1.0) / (tried + 2.0)
-            a = np.minimum(np.maximum(a, own + z * np.sqrt(own * (1.0 - own) / (tried + 3.0))), 1.0)
-        reach = np.cumprod(a, axis=1)  # [N, B-1]: chance drafts 1..k all pass
-        return np.concatenate([np.ones((len(req_ids), 1)), 1.0 + np.cumsum(reach, axis=1)], axis=1)
+            a = np.stack([a, np.minimum(np.maximum(a, own + z * np.sqrt(own * (1.0 - own) / (tried + 3.0))), 1.0)])
+        reach = np.cumprod(a, axis=-1)  # [..., N, B-1]: chance drafts 1..k all pass
+        return np.concatenate([np.ones(a.shape[:-1] + (1,)), 1.0 + np.cumsum(reach, axis=-1)], axis=-1)

@@ -2,7 +2,7 @@
 step costs (step_costs.py) and per-request acceptance estimates (acceptance.py). docs/PORTING.md states the
 rule as math; in short, for N drafting requests with budgets left r_i, a candidate is a cap S (2, 4, 8, ...,
 B) and the k requests that draft at it (span min(S, r_i); the rest span 1, a plain row):
-    cost   C(0) = P(N)  (a plain step),   C(k, S) = D(k, S) + V(N, S)   (draft k blocks, verify N spans)
+    cost   C(0) = P(N)  (a plain step),   C(k, S) = D(k, S) + V(N, rows)   (draft k blocks, verify the spans)
     tokens E_i(s_i), the tokens request i is expected to commit at span s_i
     rate   open batch (requests join as others finish):  sum_i E_i(s_i) / C          tokens a second
            closed batch (admitted together into an idle engine, nobody joining): 1 / (C x max_i r_i / E_i(s_i)),
@@ -11,7 +11,10 @@ For each S the requests are ranked (open: by E_i - 1; closed: by r_i, the longes
 priced; the best speculating candidate is taken only if its rate beats plain's by SPEC_MARGIN. Exploration:
 the same search on optimistic estimates (OPTIMISM standard deviations up); where it chooses otherwise, it is
 taken if its predicted regret, C_opt x (1 - rate_mean(opt) / rate_mean(best)), fits in EXPLORE_BUDGET of the
-time observed so far. A kind of step not yet timed at this batch size is run once to time it.
+time observed so far. A kind of step not yet timed at this batch size is run once to time it. The search is
+host time between the device's steps, and its inputs move slowly (a plain step teaches nothing about acceptance,
+a drafting one a little): a decision the search repeats for an unchanged batch is held, and searched again
+after 1, 2, 4, ... HOLD_MAX steps (spans clipped to the budgets left meanwhile); a new batch is searched at once.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from refengine.span_policy.step_costs import StepCosts
 SPEC_MARGIN = 0.05  # least predicted gain over plain to speculate: a wrong spec step loses more than a plain one
 EXPLORE_BUDGET = 0.02  # exploration may cost at most this share of the time run (predicted regret)
 OPTIMISM = 1.0  # exploration's estimates: this many posterior standard deviations above the mean
+HOLD_MAX = 16  # most steps a repeated decision for one batch is held between searches
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class GoodputSpans(SpanPolicy):
 
     def __init__(self, block_size: int):
         self.block = block_size
-        self.caps = sorted({min(1 << i, block_size) for i in range(1, max(block_size, 2).bit_length())})
+        self.caps = np.array(sorted({min(1 << i, block_size) for i in range(1, max(block_size, 2).bit_length())}))
         self.estimates = AcceptanceEstimates(max(block_size, 2))
         self.costs = StepCosts()
         self.shapes = EAGER_SHAPES
@@ -52,12 +56,15 @@ class GoodputSpans(SpanPolicy):
         self._chosen = False  # a step was chosen since the batch last emptied
         self.elapsed_s = 0.0  # observed step time
         self.regret_s = 0.0  # predicted cost of the explorations taken
-        self.counts: Counter = Counter()  # decisions: plain, spec, explored, timing
-        self._draft_shapes: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> draft buckets of k = 1..n
+        self.counts: Counter = Counter()  # decisions searched (plain, spec; explored among them), timing, held
+        self._draft_buckets: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> draft buckets of k = 1..n
+        # the last searched decision: (its batch, its spans, steps it is still held, its hold interval)
+        self._hold: tuple[list[int], list[int], int, int] | None = None
+        self._timed: set[int] = set()  # batch sizes whose plain and full-span steps are priced
 
     # ---- the seam ----------------------------------------------------------------------------------------
     def start(self, shapes: StepShapes, timed: Sequence[ShapeCost] = ()) -> None:
-        self.shapes, self._draft_shapes = shapes, {}
+        self.shapes, self._draft_buckets, self._timed = shapes, {}, set()
         for c in timed:
             self.costs.seed(c.kind, c.bucket, c.cap, c.seconds)
 
@@ -76,32 +83,38 @@ class GoodputSpans(SpanPolicy):
     def choose(self, req_ids: Sequence[int], remaining: Sequence[int]) -> list[int]:
         self._chosen = True
         self.estimates.advance()
+        n = len(req_ids)
+        hold = self._hold
+        if hold is not None and hold[2] > 0 and hold[0] == req_ids:
+            self._hold = (hold[0], hold[1], hold[2] - 1, hold[3])
+            self.counts["held"] += 1
+            return [min(s, left) if left > 1 else 1 for s, left in zip(hold[1], remaining)]
         r = np.minimum(np.asarray(remaining, dtype=np.int64), self.block)
-        n = len(r)
         if self.block < 2 or n == 0 or r.max() < 2:
             return [1] * n
-        untimed = self._untimed(r)
+        untimed = None if n in self._timed else self._untimed(r)
         if untimed is not None:
             self.counts["timing"] += 1
             return [int(x) for x in r] if untimed else [1] * n
-        mean = self.estimates.tables(req_ids)
-        best = self._search(mean, r)
-        if self.regret_s < EXPLORE_BUDGET * self.elapsed_s:
-            opt = self._search(self.estimates.tables(req_ids, OPTIMISM), r)
-            if opt.spans != best.spans:
-                rate, _ = self._evaluate(mean, r, opt.spans)
-                regret = opt.cost * max(0.0, 1.0 - rate / best.rate)
-                if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + opt.cost):
-                    self.regret_s += regret
-                    self.counts["explored"] += 1
-                    best = opt
+        explore = self.regret_s < EXPLORE_BUDGET * self.elapsed_s
+        tables = self.estimates.tables(req_ids, OPTIMISM) if explore else self.estimates.tables(req_ids)[None]
+        mean = tables[0]
+        best, *opt = self._search(tables, r)
+        if opt and opt[0].spans != best.spans and best.spans != [int(x) for x in r]:  # (all full: nothing more)
+            rate, _ = self._evaluate(mean, r, opt[0].spans)
+            regret = opt[0].cost * max(0.0, 1.0 - rate / best.rate)
+            if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + opt[0].cost):
+                self.regret_s += regret
+                self.counts["explored"] += 1
+                best = opt[0]
         self.counts["spec" if max(best.spans) > 1 else "plain"] += 1
+        again = hold is not None and hold[0] == req_ids and hold[1] == best.spans
+        interval = min(2 * hold[3], HOLD_MAX) if again and hold is not None else 1
+        self._hold = (list(req_ids), best.spans, interval - 1, interval)
         return best.spans
 
     def observe(self, report: StepReport) -> None:
-        for rid, s, m in zip(report.req_ids, report.spans, report.accepted):
-            if s > 1:
-                self.estimates.observe(rid, s, m)
+        self.estimates.observe(report.req_ids, report.spans, report.accepted)
         if report.seconds is None:
             return
         sh, n, widest = self.shapes, len(report.spans), max(report.spans)
@@ -117,14 +130,13 @@ class GoodputSpans(SpanPolicy):
     def stats(self) -> dict:
         return {
             "decisions": dict(self.counts),
-            "open_batch": self.open,
             "elapsed_s": round(self.elapsed_s, 4),
             "regret_s": round(self.regret_s, 4),
             "acceptance_by_position": [round(float(a), 3) for a in self.estimates.rates()],
             "shapes_timed": len(self.costs.measured),
         }
 
-    # ---- the search --------------------------------------------------------------------------------------
+    # ---- costs -------------------------------------------------------------------------------------------
     def _cost(self, spans: np.ndarray) -> float | None:
         """The predicted seconds of a step with these spans (all 1: a plain step)."""
         sh, n = self.shapes, len(spans)
@@ -135,66 +147,73 @@ class GoodputSpans(SpanPolicy):
         verify = self.costs.get("verify", sh.batch_bucket(n), sh.verify_cap(n, int(spans.sum())))
         return None if draft is None or verify is None else draft + verify
 
-    def _costs(self, n: int, rows: np.ndarray, widest: int) -> np.ndarray:
-        """Predicted seconds of the steps drafting k = 1..n requests with `rows` [n] rows, [n]. Each distinct
-        shape is priced once (with graphs: a few buckets and caps)."""
-        sh = self.shapes
-        if n not in self._draft_shapes:
-            buckets = np.array([sh.draft_bucket(k) for k in range(1, n + 1)])
-            self._draft_shapes[n] = np.unique(buckets, return_inverse=True)
-        shapes, index = self._draft_shapes[n]
-        cap = sh.draft_cap(widest)
-        draft = np.array([self.costs.get("draft", int(b), cap) for b in shapes], dtype=float)[index]
-        bucket = sh.batch_bucket(n)
-        if sh.verify_caps and bucket in sh.batch_buckets:
-            caps = np.asarray(sh.verify_caps)
-            idx = np.minimum(np.searchsorted(bucket * caps, rows + bucket - n), len(caps) - 1)
-            row_caps = caps[idx]
-        else:
-            row_caps = -(-rows // n)
-        caps_u, inv = np.unique(row_caps, return_inverse=True)
-        verify = np.array([self.costs.get("verify", bucket, int(c)) for c in caps_u], dtype=float)[inv]
-        return draft + verify
-
     def _untimed(self, r: np.ndarray) -> bool | None:
         """True: no speculating step is priced yet (time one); False: no plain step is; None: both are."""
         if self._cost(r) is None:
             return True
-        return False if self._cost(np.ones_like(r)) is None else None
+        if self._cost(np.ones_like(r)) is None:
+            return False
+        self._timed.add(len(r))  # (a kind once priced prices every shape: StepCosts.get's line)
+        return None
 
-    def _rate(self, e: np.ndarray, r: np.ndarray, cost: float | np.ndarray) -> float | np.ndarray:
-        if self.open:
-            return e.sum(axis=-1) / cost
-        return 1.0 / (np.max(r / e, axis=-1) * cost)
+    def _cost_grid(self, n: int, widest: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """C(k, S) for k = 1..n drafting at caps S, [..., C, n]: `widest` [C] each cap's widest span, `rows`
+        [..., C, n] the step's rows. Each distinct shape is priced once (graphs: a few buckets and caps)."""
+        sh, get = self.shapes, self.costs.get
+        if n not in self._draft_buckets:
+            self._draft_buckets[n] = np.unique([sh.draft_bucket(k) for k in range(1, n + 1)], return_inverse=True)
+        buckets, index = self._draft_buckets[n]
+        draft = np.array([[get("draft", int(b), c) for b in buckets] for c in map(sh.draft_cap, widest.tolist())])
+        bucket = sh.batch_bucket(n)
+        if sh.verify_caps and bucket in sh.batch_buckets:
+            caps = np.asarray(sh.verify_caps)
+            at = np.minimum(np.searchsorted(bucket * caps, rows + bucket - n), len(caps) - 1)
+            verify = np.array([get("verify", bucket, int(c)) for c in caps], dtype=float)[at]
+        else:  # eager: ceil(rows / n) rows a request
+            per = -(-rows // n)
+            uniq, inv = np.unique(per, return_inverse=True)
+            verify = np.array([get("verify", bucket, int(c)) for c in uniq], dtype=float)[inv].reshape(rows.shape)
+        return draft[:, index] + verify
+
+    # ---- the search --------------------------------------------------------------------------------------
+    def _rate(self, e: np.ndarray, r: np.ndarray, cost: float) -> float:
+        return float(e.sum() / cost) if self.open else float(1.0 / (np.max(r / e) * cost))
 
     def _evaluate(self, table: np.ndarray, r: np.ndarray, spans: list[int]) -> tuple[float, float]:
         s = np.asarray(spans)
         cost = self._cost(s)
         assert cost is not None  # (every shape a search prices is priced: _untimed)
-        return float(self._rate(table[np.arange(len(s)), s - 1], r, cost)), cost
+        return self._rate(table[np.arange(len(s)), s - 1], r, cost), cost
 
-    def _search(self, table: np.ndarray, r: np.ndarray) -> Choice:
-        n = len(r)
-        plain = [1] * n
-        rate, cost = self._evaluate(table, r, plain)
-        best, spec = Choice(plain, rate, cost), None
-        for cap in self.caps:
-            s = np.minimum(r, cap)
-            e = table[np.arange(n), s - 1]  # E_i(s_i)
-            order = np.argsort(-(e - 1.0) if self.open else -r, kind="stable")
-            costs = self._costs(n, n + np.cumsum(s[order] - 1), int(s.max()))
-            if self.open:
-                rates = (n + np.cumsum(e[order] - 1.0)) / costs
+    def _search(self, tables: np.ndarray, r: np.ndarray) -> list[Choice]:
+        """The best choice for each estimate in `tables` [m, N, B], every cap and prefix priced at once."""
+        m, n = tables.shape[0], len(r)
+        plain_cost = self._cost(np.ones(n, dtype=np.int64))
+        assert plain_cost is not None
+        s = np.minimum(r[None, :], self.caps[:, None])  # [C, N]: spans at each cap
+        e = tables[:, np.arange(n)[None, :], s - 1]  # [m, C, N]: E_i(s_i)
+        if self.open:
+            order = np.argsort(-e, axis=-1, kind="stable")
+        else:
+            order = np.broadcast_to(np.argsort(-r, kind="stable"), e.shape)
+        e_o = np.take_along_axis(e, order, -1)
+        s_o = np.take_along_axis(np.broadcast_to(s, e.shape), order, -1)
+        costs = self._cost_grid(n, s.max(axis=1), n + np.cumsum(s_o - 1, axis=-1))  # [m, C, N]
+        if self.open:
+            rates = (n + np.cumsum(e_o - 1.0, axis=-1)) / costs
+        else:
+            r_o = r[order].astype(float)
+            tail = np.concatenate([r_o[..., 1:], np.zeros(r_o.shape[:-1] + (1,))], axis=-1)  # max r past k
+            rates = 1.0 / (np.maximum(np.maximum.accumulate(r_o / e_o, axis=-1), tail) * costs)
+        out = []
+        for j in range(m):
+            plain_rate = self._rate(tables[j, :, 0], r, plain_cost)
+            cap, k = np.unravel_index(int(np.argmax(rates[j])), rates[j].shape)
+            if rates[j, cap, k] > plain_rate * (1.0 + SPEC_MARGIN):
+                spans = [1] * n
+                for i in order[j, cap, : k + 1].tolist():
+                    spans[i] = int(s[cap, i])
+                out.append(Choice(spans, float(rates[j, cap, k]), float(costs[j, cap, k])))
             else:
-                rr = r[order].astype(float)
-                drained = np.maximum(np.maximum.accumulate(rr / e[order]), np.append(rr[1:], 0.0))
-                rates = 1.0 / (drained * costs)
-            k = int(np.argmax(rates))
-            if spec is None or rates[k] > spec.rate:
-                spans = plain.copy()
-                for i in order[: k + 1]:
-                    spans[i] = int(s[i])
-                spec = Choice(spans, float(rates[k]), float(costs[k]))
-        if spec is not None and spec.rate > best.rate * (1.0 + SPEC_MARGIN):
-            best = spec
-        return best
+                out.append(Choice([1] * n, plain_rate, plain_cost))
+        return out

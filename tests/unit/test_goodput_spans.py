@@ -109,7 +109,8 @@ def test_exploration_stays_within_its_budget():
         if rng.random() < 0.1:  # a request finishes
             pol.release(live.pop(rng.randrange(len(live))))
     assert pol.counts["explored"] > 0, pol.stats()
-    assert pol.counts["plain"] > 0.9 * sum(pol.counts.values()), pol.stats()
+    c = pol.counts
+    assert c["plain"] + c["held"] > 0.9 * (c["plain"] + c["held"] + c["spec"]), pol.stats()
 
 
 def test_exploration_finds_a_workload_that_turned_good():
@@ -192,19 +193,40 @@ def test_acceptance_estimates_shrink_toward_the_population():
     est = AcceptanceEstimates(B)
     for rid in range(50):  # the population accepts position 1 half the time, never position 2
         est.add(rid)
-        est.observe(rid, B, rid % 2)
+        est.observe([rid], [B], [rid % 2])
         est.remove(rid)
     est.add(100)
     new = est.tables([100])[0]
     assert new[1] == pytest.approx(1 + est.rates()[0]), "a new request starts at the population's rate"
     for _ in range(30):
         est.advance()
-        est.observe(100, B, B - 1)
+        est.observe([100], [B], [B - 1])
     own = est.tables([100])[0]
     assert own[B - 1] > 0.8 * B, f"a measured request moves to its own acceptance: {own}"
     optimistic = est.tables([100], z=1.0)[0]
     assert np.all(optimistic >= own - 1e-12)
     assert PRIOR_WEIGHT > 0
+
+
+def test_a_plain_decision_is_searched_again_after_doubling_intervals():
+    """Plain steps teach nothing about acceptance: for an unchanged batch the search runs again after 1, 2, 4,
+    ... HOLD_MAX steps; a changed batch is searched at once."""
+    from refengine.span_policy.goodput import HOLD_MAX
+
+    pol = _policy()
+    ids = _admit(pol, 4)
+    _feed(pol, ids, lambda r: 0)
+    searched = []
+    for step in range(60):
+        before = pol.counts["plain"]
+        assert pol.choose(ids, [200] * 4) == [1] * 4
+        if pol.counts["plain"] > before:
+            searched.append(step)
+    gaps = [b - a for a, b in zip(searched, searched[1:])]
+    assert gaps[:5] == [1, 2, 4, 8, 16] and set(gaps[4:]) == {HOLD_MAX}, searched
+    before = pol.counts["plain"]
+    pol.choose(ids[:3], [200] * 3)
+    assert pol.counts["plain"] == before + 1, "a changed batch is searched"
 
 
 def test_choose_is_fast_at_c64():
