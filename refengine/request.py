@@ -90,7 +90,10 @@ class SpecStats:
         self.verify_steps += times
         self.committed_tokens += committed * times
         self.accepted_hist[committed] += times
-        self.committed_per_step += [committed] * times
+        if times == 1:
+            self.committed_per_step.append(committed)
+        else:
+            self.committed_per_step += [committed] * times
         if span is not None:
             self.span_hist[span] += times
 

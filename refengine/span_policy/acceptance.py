@@ -11,7 +11,8 @@ The mean starts a new request at the population's rate and moves it to its own a
 estimate asks what the request's own evidence cannot rule out (a uniform prior, not the population's: a
 workload whose requests never accepted may have turned), which is how exploration finds out. `tables` gives per
 request the tokens a span s is expected to commit, E_i(s) = 1 + sum_{k<s} prod_{j<=k} a_ij. Counts live in one
-array, a row per live request, so a step's observations and tables are a few vectorised operations.
+array, a row per live request; a step's observations are queued and folded in, all at once, when a table is
+read (the policy searches far less often than steps run).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class AcceptanceEstimates:
         self._free = list(range(7, -1, -1))
         self._positions = np.arange(self.width)
         self.step = 0
+        self._queued: list[tuple[int, int, int, int]] = []  # (req, span, accepted, step) not folded in yet
 
     def add(self, req_id: int) -> None:
         if not self._free:  # double the rows
@@ -47,6 +49,7 @@ class AcceptanceEstimates:
         self.since[row] = self.step
 
     def remove(self, req_id: int) -> None:
+        self._fold()  # (its queued blocks still count for the population)
         row = self.rows.pop(req_id, None)
         if row is not None:
             self._free.append(row)
@@ -60,33 +63,43 @@ class AcceptanceEstimates:
 
     def observe(self, req_ids: Sequence[int], spans: Sequence[int], accepted: Sequence[int]) -> None:
         """A step's blocks: request req_ids[i] verified spans[i] tokens and accepted accepted[i] drafts (spans of
-        1 drafted nothing)."""
-        span, acc = np.asarray(spans), np.asarray(accepted)
-        drafted = span > 1
-        if not drafted.any():
+        1 drafted nothing). Queued until a table is read."""
+        step = self.step
+        self._queued += [(r, s, m, step) for r, s, m in zip(req_ids, spans, accepted) if s > 1]
+
+    def _fold(self) -> None:
+        """Fold the queued blocks in: each weighted by the decay since it was observed."""
+        if not self._queued:
             return
-        span, acc = span[drafted], acc[drafted]
-        passed = self._positions < acc[:, None]  # [n, B-1]
-        tried = self._positions < np.minimum(acc + 1, span - 1)[:, None]
-        self.population *= POPULATION_DECAY ** len(span)
-        self.population[0] += passed.sum(0)
-        self.population[1] += tried.sum(0)
-        known = [(i, self.rows[r]) for i, r in enumerate(np.asarray(req_ids)[drafted].tolist()) if r in self.rows]
-        if known:
-            which = np.array([i for i, _ in known])
-            rows = np.array([row for _, row in known])
-            counts = self._faded(rows)
-            counts[:, 0] += passed[which]
-            counts[:, 1] += tried[which]
-            self.counts[rows], self.since[rows] = counts, self.step
+        q = np.array(self._queued, dtype=np.int64)  # [M, 4]
+        self._queued = []
+        span, acc, at = q[:, 1], q[:, 2], q[:, 3]
+        passed = (self._positions < acc[:, None]).astype(float)  # [M, B-1]
+        tried = (self._positions < np.minimum(acc + 1, span - 1)[:, None]).astype(float)
+        m = len(q)
+        fade = POPULATION_DECAY ** np.arange(m - 1, -1, -1, dtype=float)[:, None]  # blocks observed after each
+        self.population = self.population * POPULATION_DECAY**m + np.stack(
+            [(passed * fade).sum(0), (tried * fade).sum(0)]
+        )
+        live = np.array([self.rows.get(int(r), -1) for r in q[:, 0]])
+        keep = live >= 0
+        if keep.any():
+            rows, w = live[keep], (REQUEST_DECAY ** (self.step - at[keep]))[:, None]
+            touched = np.unique(rows)
+            self.counts[touched] = self._faded(touched)
+            self.since[touched] = self.step
+            np.add.at(self.counts[:, 0], rows, passed[keep] * w)
+            np.add.at(self.counts[:, 1], rows, tried[keep] * w)
 
     def rates(self) -> np.ndarray:
         """The population's acceptance rate at each position [B-1]."""
+        self._fold()
         return (self.population[0] + 1.0) / (self.population[1] + 2.0)
 
     def tables(self, req_ids: Sequence[int], z: float | None = None) -> np.ndarray:
         """E_i(s) for s = 1..B, [len(req_ids), B] (column s - 1), from the mean estimate; with `z`, [2, N, B]:
         the mean's and the optimistic estimate's. An unknown request has no evidence of its own."""
+        self._fold()
         rows = np.array([self.rows.get(r, -1) for r in req_ids])
         counts = np.where((rows >= 0)[:, None, None], self._faded(np.maximum(rows, 0)), 0.0)  # [N, 2, B-1]
         passed, tried = counts[:, 0], counts[:, 1]

@@ -1,20 +1,12 @@
 """GoodputSpans (speculation="adaptive"): per step, the spans that maximise expected goodput, from measured
-step costs (step_costs.py) and per-request acceptance estimates (acceptance.py). docs/PORTING.md states the
-rule as math; in short, for N drafting requests with budgets left r_i, a candidate is a cap S (2, 4, 8, ...,
-B) and the k requests that draft at it (span min(S, r_i); the rest span 1, a plain row):
-    cost   C(0) = P(N)  (a plain step),   C(k, S) = D(k, S) + V(N, rows)   (draft k blocks, verify the spans)
-    tokens E_i(s_i), the tokens request i is expected to commit at span s_i
-    rate   open batch (requests join as others finish):  sum_i E_i(s_i) / C          tokens a second
-           closed batch (admitted together into an idle engine, nobody joining): 1 / (C x max_i r_i / E_i(s_i)),
-           the inverse of its drain time: a closed batch lasts as long as its slowest request
-For each S the requests are ranked (open: by E_i - 1; closed: by r_i, the longest first) and every prefix k is
-priced; the best speculating candidate is taken only if its rate beats plain's by SPEC_MARGIN. Exploration:
-the same search on optimistic estimates (OPTIMISM standard deviations up); where it chooses otherwise, it is
-taken if its predicted regret, C_opt x (1 - rate_mean(opt) / rate_mean(best)), fits in EXPLORE_BUDGET of the
-time observed so far. A kind of step not yet timed at this batch size is run once to time it. The search is
-host time between the device's steps, and its inputs move slowly (a plain step teaches nothing about acceptance,
-a drafting one a little): a decision the search repeats for an unchanged batch is held, and searched again
-after 1, 2, 4, ... HOLD_MAX steps (spans clipped to the budgets left meanwhile); a new batch is searched at once.
+step costs (step_costs.py) and per-request acceptance estimates (acceptance.py); docs/PORTING.md states the rule
+as math. A candidate is a cap S (2, 4, ..., B) and the k requests that draft at it (span min(S, r_i), the rest
+span 1), priced C = D(k, S) + V(N, rows) against a plain step's P(N). An open batch (requests join as others
+finish) maximises tokens a second, sum_i E_i(s_i) / C; a closed one (admitted together, nobody joining) lasts as
+long as its slowest request, so it minimises C x max_i r_i / E_i(s_i). Speculation must beat plain by
+SPEC_MARGIN. Exploration searches optimistic estimates and takes what it finds within EXPLORE_BUDGET of
+predicted regret. The search is host time between the device's steps and its inputs move slowly, so a decision
+repeated for an unchanged batch is held 1, 2, 4, ... HOLD_MAX steps between searches.
 """
 
 from __future__ import annotations
@@ -128,13 +120,9 @@ class GoodputSpans(SpanPolicy):
         self.elapsed_s += report.seconds
 
     def stats(self) -> dict:
-        return {
-            "decisions": dict(self.counts),
-            "elapsed_s": round(self.elapsed_s, 4),
-            "regret_s": round(self.regret_s, 4),
-            "acceptance_by_position": [round(float(a), 3) for a in self.estimates.rates()],
-            "shapes_timed": len(self.costs.measured),
-        }
+        rates = [round(float(a), 3) for a in self.estimates.rates()]
+        times = {"elapsed_s": round(self.elapsed_s, 4), "regret_s": round(self.regret_s, 4)}
+        return {"decisions": dict(self.counts), **times, "acceptance_by_position": rates}
 
     # ---- costs -------------------------------------------------------------------------------------------
     def _cost(self, spans: np.ndarray) -> float | None:

@@ -1,9 +1,11 @@
 """GoodputSpans' step-cost table: seconds per step shape (kind, batch bucket, cap). Kinds: "decode" (a plain
 step, cap 1), "verify" (the target's forward over the spans, cap = rows per request), "draft" (the drafter's
-block forward, cap = rows a block it scores). Seeded by the captured graphs' timed replays; the first measured
-step of a shape replaces its seed (a replay leaves out the host's work), later ones move it by COST_EMA.
-A shape never timed is priced by a line through its kind's shapes, seconds = a + b * rows (rows = bucket x cap,
-a, b >= 0; one shape known: its cost), so eager steps of new batch sizes are priced from their neighbours.
+block forward, cap = rows a block it scores). Seeded by the captured graphs' timed replays; a replay leaves out
+the host's work of a step, so the first measured step of a shape replaces its seed, later ones move it by
+COST_EMA, and a shape still unmeasured is priced at its seed plus its kind's mean host share (measured minus
+seed, over the kind's measured shapes). A shape never timed is priced by a line through its kind's shapes,
+seconds = a + b * rows (rows = bucket x cap, a, b >= 0; one shape known: its cost), so eager steps of new batch
+sizes are priced from their neighbours.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ Key = tuple[str, int, int]
 
 class StepCosts:
     def __init__(self) -> None:
-        self.table: dict[Key, float] = {}
+        self.table: dict[Key, float] = {}  # measured (or, until then, seeded) seconds
+        self.seeds: dict[Key, float] = {}
         self.measured: set[Key] = set()
-        self._lines: dict[str, tuple[float, float] | None] = {}  # kind -> (a, b), cached until the table changes
+        self._host: dict[str, float] = {}  # kind -> mean measured minus seed, cached until the table changes
+        self._lines: dict[str, tuple[float, float] | None] = {}  # kind -> (a, b), cached likewise
 
     def seed(self, kind: str, bucket: int, cap: int, seconds: float) -> None:
-        if seconds > 0 and (kind, bucket, cap) not in self.measured:
-            self.table[(kind, bucket, cap)] = seconds
-            self._lines.pop(kind, None)
+        key = (kind, bucket, cap)
+        if seconds > 0 and key not in self.measured:
+            self.table[key] = self.seeds[key] = seconds
+            self._changed(kind)
 
     def observe(self, kind: str, bucket: int, cap: int, seconds: float) -> None:
         key = (kind, bucket, cap)
@@ -35,20 +40,31 @@ class StepCosts:
         else:
             self.table[key] = seconds
             self.measured.add(key)
+        self._changed(kind)
+
+    def _changed(self, kind: str) -> None:
+        self._host.pop(kind, None)
         self._lines.pop(kind, None)
 
     def get(self, kind: str, bucket: int, cap: int) -> float | None:
         """Seconds for the shape; None when no shape of its kind is known yet."""
-        got = self.table.get((kind, bucket, cap))
+        key = (kind, bucket, cap)
+        got = self.table.get(key)
         if got is not None:
-            return got
+            return got if key in self.measured else got + self._host_share(kind)
         if kind not in self._lines:
             self._lines[kind] = self._fit(kind)
         line = self._lines[kind]
         return None if line is None else line[0] + line[1] * bucket * cap
 
+    def _host_share(self, kind: str) -> float:
+        if kind not in self._host:
+            both = [self.table[k] - s for k, s in self.seeds.items() if k[0] == kind and k in self.measured]
+            self._host[kind] = max(0.0, float(np.mean(both))) if both else 0.0
+        return self._host[kind]
+
     def _fit(self, kind: str) -> tuple[float, float] | None:
-        pts = [(b * c, s) for (k, b, c), s in self.table.items() if k == kind]
+        pts = [(b * c, self.get(k, b, c) or s) for (k, b, c), s in self.table.items() if k == kind]
         if not pts:
             return None
         rows = np.array([p[0] for p in pts], dtype=float)

@@ -1,9 +1,10 @@
 """GoodputSpans (refengine/span_policy/goodput.py) on synthetic step costs and acceptance, stated as
 properties: full spans where drafts are accepted, span 1 where none are (tau 1), no speculation where the
 predicted gain over plain is under SPEC_MARGIN, exploration held within EXPLORE_BUDGET of the time run, a
-closed batch priced by its drain time (its slowest request) and an open one by tokens a second; its cost table
-(seeds replaced by the first measurement, unseen shapes priced by a line) and acceptance estimates (a new
-request starts at the population's rate, a measured one moves to its own).
+closed batch priced by its drain time (its slowest request) and an open one by tokens a second, a repeated
+decision held between searches; its cost table (seeds replaced by the first measurement, unmeasured seeds
+priced with the host's measured share, unseen shapes priced by a line) and acceptance estimates (a new request
+starts at the population's rate, a measured one moves to its own).
 
 Run: python -m pytest tests/unit/test_goodput_spans.py -q
 """
@@ -187,6 +188,10 @@ def test_step_costs_seed_measure_and_fit():
     costs.observe("verify", 16, 4, 4.2)  # two shapes: a line through rows 32 and 64
     assert costs.get("verify", 4, 4) == pytest.approx(2.2 - 2.0 / 32 * 16)
     assert costs.get("draft", 1, 16) is None
+    costs.seed("draft", 1, 4, 0.5)
+    costs.seed("draft", 2, 4, 0.6)
+    costs.observe("draft", 1, 4, 0.8)  # measured 0.3 s over its replay: the host's share of a draft step
+    assert costs.get("draft", 2, 4) == pytest.approx(0.9), "an unmeasured seed is priced with the host's share"
 
 
 def test_acceptance_estimates_shrink_toward_the_population():
