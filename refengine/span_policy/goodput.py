@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refengine.span_policy.acceptance import AcceptanceEstimates
+from refengine.span_policy.acceptance import POPULATION_DECAY, AcceptanceEstimates
 from refengine.span_policy.base import EAGER_SHAPES, ShapeCost, SpanPolicy, StepReport, StepShapes
 from refengine.span_policy.step_costs import StepCosts
 
@@ -46,8 +46,8 @@ class GoodputSpans(SpanPolicy):
         self.live: dict[int, int] = {}  # req -> budget
         self.open = False  # a request joined the batch after a step of it was chosen
         self._chosen = False  # a step was chosen since the batch last emptied
-        self.elapsed_s = 0.0  # observed step time
-        self.regret_s = 0.0  # predicted cost of the explorations taken
+        self.elapsed_s = 0.0  # observed step time, fading by POPULATION_DECAY a step
+        self.regret_s = 0.0  # predicted cost of the explorations taken, fading likewise
         self.counts: Counter = Counter()  # decisions searched (plain, spec; explored among them), timing, held
         self._draft_buckets: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> draft buckets of k = 1..n
         # the last searched decision: (its batch, its spans, steps it is still held, its hold interval)
@@ -117,7 +117,9 @@ class GoodputSpans(SpanPolicy):
             k, rows = sum(s > 1 for s in report.spans), sum(report.spans)
             self.costs.observe("draft", sh.draft_bucket(k), sh.draft_cap(widest), draft)
             self.costs.observe("verify", sh.batch_bucket(n), sh.verify_cap(n, rows), report.seconds - draft)
-        self.elapsed_s += report.seconds
+        # the budget is a share of the recent time (the population's memory), not a bank that grows for ever
+        self.elapsed_s = self.elapsed_s * POPULATION_DECAY + report.seconds
+        self.regret_s *= POPULATION_DECAY
 
     def stats(self) -> dict:
         rates = [round(float(a), 3) for a in self.estimates.rates()]
