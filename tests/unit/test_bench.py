@@ -70,7 +70,10 @@ def test_bench_json_shape(capsys, tmp_path):
         kinds = {k for k in PLAN_KINDS if r.get(f"{k}_steps")}  # (verify_steps 0: a run that never verified)
         assert sum(r[f"{k}_steps"] for k in kinds) == r["steps"], r
         assert 0 < sum(r[f"{k}_wall_ms"] for k in kinds) <= r["seconds"] * 1e3, r
-        allowed = {"plain": {"prefill", "decode"}, "dflash": {"prefill", "verify"}}.get(r["mode"], set(PLAN_KINDS))
+        # (dflash: a step whose every budget is down to one token decodes, recording the rows' features)
+        allowed = {"plain": {"prefill", "decode"}, "dflash": {"prefill", "verify", "decode_taps"}}.get(
+            r["mode"], set(PLAN_KINDS)
+        )
         assert "prefill" in kinds and kinds <= allowed, (r["mode"], kinds)
     for r in rows:  # the span policy's record (Engine.span_stats), its counts over the row's last run
         if r["mode"] == "plain":
