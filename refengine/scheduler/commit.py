@@ -48,11 +48,14 @@ class StepCommit(StepRecovery):
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # drafting requests at span 1: each row's features become drafter context
-                self.active_proposer.commit_step([r.request_id for r in plan.requests])
+                ids = [r.request_id for r in plan.requests]
+                self.active_proposer.commit_step(ids)
                 for req in plan.requests:
                     req.spec.record(1, 1)
-                self.span_counts[1] += len(plan.requests)
-                self._report(plan, [1] * len(plan.requests), [0] * len(plan.requests), result)
+                n = len(ids)
+                self.span_counts[1] += n
+                report = StepReport(tuple(ids), (1,) * n, (0,) * n, result.seconds, result.draft_seconds)
+                self.active_policy.observe(report)
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])

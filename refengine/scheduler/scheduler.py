@@ -130,8 +130,11 @@ class Scheduler(Admission, StepCommit):
                 return None
             self.plan_counts["prefill"] += 1
             return plan
-        spec = [r for r in self.running if self.speculates(r)]
-        plain = [r for r in self.running if not self.speculates(r)]
+        if self.proposer is None:
+            spec, plain = [], self.running
+        else:  # (speculates(), inlined: this runs every step)
+            spec = [r for r in self.running if r.params.logprobs == 0]
+            plain = [r for r in self.running if r.params.logprobs != 0] if len(spec) < len(self.running) else []
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
             spans = self._choose(spec)
@@ -152,10 +155,12 @@ class Scheduler(Admission, StepCommit):
         remaining = [r.remaining for r in spec]
         block = self.active_proposer.block_size
         try:
-            spans = self.active_policy.choose([r.request_id for r in spec], remaining)
-            if len(spans) != len(spec) or not all(1 <= s <= min(block, left) for s, left in zip(spans, remaining)):
+            spans = [int(s) for s in self.active_policy.choose([r.request_id for r in spec], remaining)]
+            widest = max(spans, default=0)
+            bad = len(spans) != len(spec) or min(spans, default=0) < 1 or widest > block
+            if bad or (widest > 1 and any(s > left for s, left in zip(spans, remaining))):
                 raise ValueError(f"spans {list(spans)[:8]} for budgets {remaining[:8]} (block {block})")
-            return [int(s) for s in spans]
+            return spans
         except Exception as e:
             self.policy_errors += 1
             log.warning("the span policy's choice failed (%s: %s): this step decodes plainly", type(e).__name__, e)

@@ -106,10 +106,12 @@ class GoodputSpans(SpanPolicy):
         return best.spans
 
     def observe(self, report: StepReport) -> None:
-        self.estimates.observe(report.req_ids, report.spans, report.accepted)
+        widest = max(report.spans)
+        if widest > 1:
+            self.estimates.observe(report.req_ids, report.spans, report.accepted)
         if report.seconds is None:
             return
-        sh, n, widest = self.shapes, len(report.spans), max(report.spans)
+        sh, n = self.shapes, len(report.spans)
         if widest == 1:
             self.costs.observe("decode", sh.batch_bucket(n), 1, report.seconds)
         else:
