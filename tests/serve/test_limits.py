@@ -138,6 +138,7 @@ def test_full_waiting_queue_is_429(guarded_server):
     ids=["prompts", "1000-prompts", "stop-count", "stop-length", "stop-10k", "stop-token-ids"],
 )
 def test_request_limits(guarded_server, body, param):
+    wait_idle(guarded_server)  # (an earlier test's aborted generations must not count against the queue's cap)
     status, out, _ = call(guarded_server, "POST", "/v1/completions", body, AUTH)
     assert status == 400 and out["error"]["param"] == param, out
     ok = {"prompt": ["a"] * GUARDED["max_prompts"], "max_tokens": 2, "stop": ["a", "b"]}
