@@ -49,7 +49,6 @@ class AcceptanceEstimates:
         self.since[row] = self.step
 
     def remove(self, req_id: int) -> None:
-        self._fold()  # (its queued blocks still count for the population)
         row = self.rows.pop(req_id, None)
         if row is not None:
             self._free.append(row)

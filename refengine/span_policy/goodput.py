@@ -1,12 +1,11 @@
 """GoodputSpans (speculation="adaptive"): per step, the spans that maximise expected goodput, from measured
-step costs (step_costs.py) and per-request acceptance estimates (acceptance.py); docs/PORTING.md states the rule
-as math. A candidate is a cap S (2, 4, ..., B) and the k requests that draft at it (span min(S, r_i), the rest
-span 1), priced C = D(k, S) + V(N, rows) against a plain step's P(N). An open batch (requests join as others
-finish) maximises tokens a second, sum_i E_i(s_i) / C; a closed one (admitted together, nobody joining) lasts as
-long as its slowest request, so it minimises C x max_i r_i / E_i(s_i). Speculation must beat plain by
-SPEC_MARGIN. Exploration searches optimistic estimates and takes what it finds within EXPLORE_BUDGET of
-predicted regret. The search is host time between the device's steps and its inputs move slowly, so a decision
-repeated for an unchanged batch is held 1, 2, 4, ... HOLD_MAX steps between searches.
+step costs (step_costs.py) and per-request acceptance (acceptance.py); docs/PORTING.md states the rule as math.
+A candidate is a cap S (2, 4, ..., B) and the k requests drafting at it (span min(S, r_i); the rest span 1),
+priced C = D(k, S) + V(N, rows) against a plain step's P(N). An open batch maximises tokens a second, sum_i
+E_i(s_i) / C; a closed one (admitted together, nobody joining) lasts as long as its slowest request, so it
+minimises C x max_i r_i / E_i(s_i). Speculation must beat plain by SPEC_MARGIN; exploration searches optimistic
+estimates within EXPLORE_BUDGET of predicted regret; a decision the search repeats is held 1, 2, 4, ... HOLD_MAX
+steps (for an unchanged batch, or a uniform one, every span min(S, r_i), for any batch of its size).
 """
 
 from __future__ import annotations
@@ -50,11 +49,11 @@ class GoodputSpans(SpanPolicy):
         self.regret_s = 0.0  # predicted cost of the explorations taken, fading likewise
         self.counts: Counter = Counter()  # decisions searched (plain, spec; explored among them), timing, held
         self._draft_buckets: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> draft buckets of k = 1..n
-        # the last searched decision: (its batch, its spans, steps it is still held, its hold interval)
-        self._hold: tuple[list[int], list[int], int, int] | None = None
+        # the last searched decision: (what it holds for, its spans, steps it is still held, its hold interval);
+        # a uniform one (every span min(S, r_i), plain included) holds for any batch of its size, spans as S
+        self._hold: tuple[object, list[int], int, int] | None = None
         self._timed: set[int] = set()  # batch sizes whose plain and full-span steps are priced
 
-    # ---- the seam ----------------------------------------------------------------------------------------
     def start(self, shapes: StepShapes, timed: Sequence[ShapeCost] = ()) -> None:
         self.shapes, self._draft_buckets, self._timed = shapes, {}, set()
         for c in timed:
@@ -77,10 +76,11 @@ class GoodputSpans(SpanPolicy):
         self.estimates.advance()
         n = len(req_ids)
         hold = self._hold
-        if hold is not None and hold[2] > 0 and hold[0] == req_ids:
+        if hold is not None and hold[2] > 0 and hold[0] in (n, req_ids):
             self._hold = (hold[0], hold[1], hold[2] - 1, hold[3])
             self.counts["held"] += 1
-            return [min(s, left) if left > 1 else 1 for s, left in zip(hold[1], remaining)]
+            spans = hold[1] if hold[0] == req_ids else hold[1][:1] * n
+            return [min(s, left) if left > 1 else 1 for s, left in zip(spans, remaining)]
         r = np.minimum(np.asarray(remaining, dtype=np.int64), self.block)
         if self.block < 2 or n == 0 or r.max() < 2:
             return [1] * n
@@ -100,9 +100,12 @@ class GoodputSpans(SpanPolicy):
                 self.counts["explored"] += 1
                 best = opt[0]
         self.counts["spec" if max(best.spans) > 1 else "plain"] += 1
-        again = hold is not None and hold[0] == req_ids and hold[1] == best.spans
+        cap = max(best.spans)
+        uniform = all(s == min(cap, x) for s, x in zip(best.spans, r.tolist()))
+        key, spans = (n, [cap]) if uniform else (list(req_ids), best.spans)
+        again = hold is not None and hold[0] == key and hold[1] == spans
         interval = min(2 * hold[3], HOLD_MAX) if again and hold is not None else 1
-        self._hold = (list(req_ids), best.spans, interval - 1, interval)
+        self._hold = (key, spans, interval - 1, interval)
         return best.spans
 
     def observe(self, report: StepReport) -> None:
@@ -128,7 +131,6 @@ class GoodputSpans(SpanPolicy):
         times = {"elapsed_s": round(self.elapsed_s, 4), "regret_s": round(self.regret_s, 4)}
         return {"decisions": dict(self.counts), **times, "acceptance_by_position": rates}
 
-    # ---- costs -------------------------------------------------------------------------------------------
     def _cost(self, spans: np.ndarray) -> float | None:
         """The predicted seconds of a step with these spans (all 1: a plain step)."""
         sh, n = self.shapes, len(spans)
@@ -167,7 +169,6 @@ class GoodputSpans(SpanPolicy):
             verify = np.array([get("verify", bucket, int(c)) for c in uniq], dtype=float)[inv].reshape(rows.shape)
         return draft[:, index] + verify
 
-    # ---- the search --------------------------------------------------------------------------------------
     def _rate(self, e: np.ndarray, r: np.ndarray, cost: float) -> float:
         return float(e.sum() / cost) if self.open else float(1.0 / (np.max(r / e) * cost))
 

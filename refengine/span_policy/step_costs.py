@@ -1,11 +1,8 @@
-"""GoodputSpans' step-cost table: seconds per step shape (kind, batch bucket, cap). Kinds: "decode" (a plain
-step, cap 1), "verify" (the target's forward over the spans, cap = rows per request), "draft" (the drafter's
-block forward, cap = rows a block it scores). Seeded by the captured graphs' timed replays; a replay leaves out
-the host's work of a step, so the first measured step of a shape replaces its seed, later ones move it by
-COST_EMA, and a shape still unmeasured is priced at its seed plus its kind's mean host share (measured minus
-seed, over the kind's measured shapes). A shape never timed is priced by a line through its kind's shapes,
-seconds = a + b * rows (rows = bucket x cap, a, b >= 0; one shape known: its cost), so eager steps of new batch
-sizes are priced from their neighbours.
+"""GoodputSpans' step-cost table: seconds per step shape (kind, batch bucket, cap): "decode" (a plain step,
+cap 1), "verify" (the target over the spans, cap = rows a request), "draft" (cap = rows a block it scores).
+Seeded by the captured graphs' timed replays, which leave out the host's work: the first measured step of a
+shape replaces its seed, later ones move it by COST_EMA, an unmeasured seed is priced with its kind's mean host
+share (measured minus seed), and a shape never timed by a line a + b x rows (a, b >= 0) through its kind's.
 """
 
 from __future__ import annotations

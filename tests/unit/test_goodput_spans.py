@@ -214,8 +214,8 @@ def test_acceptance_estimates_shrink_toward_the_population():
 
 
 def test_a_plain_decision_is_searched_again_after_doubling_intervals():
-    """Plain steps teach nothing about acceptance: for an unchanged batch the search runs again after 1, 2, 4,
-    ... HOLD_MAX steps; a changed batch is searched at once."""
+    """A decision the search repeats is held: searched again after 1, 2, 4, ... HOLD_MAX steps, for any batch of
+    its size when it is uniform (all plain here); a batch of another size is searched at once."""
     from refengine.span_policy.goodput import HOLD_MAX
 
     pol = _policy()
@@ -231,7 +231,7 @@ def test_a_plain_decision_is_searched_again_after_doubling_intervals():
     assert gaps[:5] == [1, 2, 4, 8, 16] and set(gaps[4:]) == {HOLD_MAX}, searched
     before = pol.counts["plain"]
     pol.choose(ids[:3], [200] * 3)
-    assert pol.counts["plain"] == before + 1, "a changed batch is searched"
+    assert pol.counts["plain"] == before + 1, "a batch of another size is searched"
 
 
 def test_choose_is_fast_at_c64():
