@@ -238,10 +238,8 @@ def row_label(mode: str, override: AcceptanceOverride | None, synthetic: bool) -
 def settle_engine(engine, batch: list[list[int]], seconds: float, tokens: int, in_flight: int | None = None) -> None:
     """Load the device for `seconds` (untimed runs of `batch`, as run_once submits them: a wave, or `in_flight`
     at a time) so the first measured row meets its sustained clocks. Each run generates `tokens`, the measured
-    runs' length: the adaptive policy learns from these runs, and runs shorter than the measured ones teach it
-    their generations' early blocks only (with 32-token runs the trained tiny pair's population never saw its
-    text loop, and on the H200 every c1 request then retired after its first block while fixed DFlash ran
-    3.2x plain; docs/PERF.md)."""
+    runs' length: the adaptive policy learns from these runs, and runs shorter than the measured ones would teach
+    it their generations' early blocks only (the trained tiny pair's text loops come later)."""
     t = time.perf_counter()
     while time.perf_counter() - t < seconds:
         run_once(engine, batch, tokens, in_flight)
