@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -201,10 +202,13 @@ class Engine:
         serving. A failure in the span policy's choice (in the schedule) decodes that step plainly, logged
         and counted (Scheduler._choose)."""
         sched = self.scheduler
+        t0 = time.perf_counter()
         plan = self.last_plan = sched.schedule()
         if plan is not None:
             try:
+                t1 = time.perf_counter()
                 result = self.runner.execute(plan)
+                executed = time.perf_counter() - t1
                 validate_result(
                     plan,
                     result,
@@ -225,6 +229,8 @@ class Engine:
                 except Exception as e:
                     self._log_failure(plan, e)
                     sched.abandon(plan, e)
+                else:  # the step's host time outside the runner joins its cost sample
+                    sched.report_step(time.perf_counter() - t0 - executed)
         done = sched.take_done()
         self.finished.extend(done)
         return done

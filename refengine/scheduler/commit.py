@@ -4,6 +4,8 @@ releases finished requests and checks the others. Mixed into the Scheduler, over
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import Counter
 
 from refengine.errors import AlignmentError, IntegrityError
@@ -14,6 +16,8 @@ from refengine.span_policy.base import SpanPolicy, StepReport
 from refengine.spec_decode.accept import build_verify_results
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 
+log = logging.getLogger(__name__)
+
 
 class StepCommit(StepRecovery):
     # what the Scheduler provides (beyond StepRecovery's)
@@ -21,6 +25,8 @@ class StepCommit(StepRecovery):
     running: list[Request]
     span_counts: Counter
     acceptance_override: AcceptanceOverride | None
+    policy_errors: int
+    _step_report: StepReport | None  # the committed drafting step's, until report_step hands it over
 
     @property
     def active_policy(self) -> SpanPolicy:
@@ -54,8 +60,7 @@ class StepCommit(StepRecovery):
                     req.spec.record(1, 1)
                 n = len(ids)
                 self.span_counts[1] += n
-                report = StepReport(tuple(ids), (1,) * n, (0,) * n, result.seconds, result.draft_seconds)
-                self.active_policy.observe(report)
+                self._step_report = StepReport(tuple(ids), (1,) * n, (0,) * n, result.seconds, result.draft_seconds)
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])
@@ -81,15 +86,25 @@ class StepCommit(StepRecovery):
         self._report(plan, plan.spans, [vr.accepted for vr in results], result)
 
     def _report(self, plan: Plan, spans: list[int], accepted: list[int], result: StepResult) -> None:
-        """The step's outcome to the span policy (before finished requests are released from it)."""
-        report = StepReport(
-            tuple(r.request_id for r in plan.requests),
-            tuple(spans),
-            tuple(accepted),
-            result.seconds,
-            result.draft_seconds,
-        )
-        self.active_policy.observe(report)
+        ids = tuple(r.request_id for r in plan.requests)
+        self._step_report = StepReport(ids, tuple(spans), tuple(accepted), result.seconds, result.draft_seconds)
+
+    def report_step(self, host_s: float | None) -> None:
+        """Hand the committed drafting step's outcome to the span policy, its time the step's whole wall time:
+        the runner's plus `host_s`, the engine's scheduling, checks and commit around it (the host's share of a
+        step differs by kind, and on a fast device it decides which kind is cheaper). Called by Engine.step
+        after the commit, so requests that finished in the step have been released. A policy whose observe
+        raises is logged and counted (policy_errors): the step is committed and stays so."""
+        report, self._step_report = self._step_report, None
+        if report is None:
+            return
+        if report.seconds is not None and host_s is not None:
+            report = dataclasses.replace(report, seconds=report.seconds + host_s)
+        try:
+            self.active_policy.observe(report)
+        except Exception as e:
+            self.policy_errors += 1
+            log.warning("the span policy's observe failed (%s: %s)", type(e).__name__, e)
 
     def _release_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they

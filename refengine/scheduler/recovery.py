@@ -20,6 +20,7 @@ class StepRecovery:
     proposer: Proposer | None
     waiting: deque[Request]
     policy: SpanPolicy | None
+    _step_report: object
     _done: list[Request]
 
     def speculates(self, req: Request) -> bool:
@@ -38,6 +39,7 @@ class StepRecovery:
         released (KV and drafter context) and put back at the front of the waiting queue in order. With
         `count`, each request of the plan records a failed step; on its MAX_FAILED_STEPS-th, or when its KV
         or drafter context no longer match its committed tokens, it finishes with FinishReason.ERROR."""
+        self._step_report = None
         if self.proposer is not None:
             self.proposer.discard_staged()
         if isinstance(plan, PrefillPlan):
@@ -90,6 +92,7 @@ class StepRecovery:
         """A failure that cannot be undone (inside commit, or in rollback itself: a refengine bug). Every
         request of the plan that has not finished finishes with FinishReason.ERROR and everything the plan's
         requests hold is freed; requests outside the plan are untouched."""
+        self._step_report = None
         if self.proposer is not None:
             self.proposer.discard_staged()
         done = {id(r) for r in self._done}

@@ -27,7 +27,7 @@ from refengine.request import FinishReason, Request
 from refengine.scheduler.admission import Admission
 from refengine.scheduler.commit import StepCommit
 from refengine.scheduler.integrity import check_scheduler_integrity
-from refengine.span_policy.base import SpanPolicy
+from refengine.span_policy.base import SpanPolicy, StepReport
 from refengine.spec_decode.acceptance_profile import AcceptanceOverride
 from refengine.spec_decode.proposer import Proposer
 
@@ -62,7 +62,10 @@ class Scheduler(Admission, StepCommit):
         self._done: list[Request] = []
         self.plan_counts: Counter = Counter()  # plan kind -> steps
         self.span_counts: Counter = Counter()  # verify span chosen (1 = a drafting request decoded plainly) -> steps
-        self.policy_errors = 0  # choices that raised or were malformed: those steps decoded plainly
+        self.policy_errors = (
+            0  # choices that raised or were malformed (those steps decoded plainly), observes that raised
+        )
+        self._step_report: StepReport | None = None
 
     @property
     def active_proposer(self) -> Proposer:

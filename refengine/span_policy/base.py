@@ -75,8 +75,9 @@ class ShapeCost:
 class StepReport:
     """One committed step of drafting requests, as the scheduler reports it to the policy.
     spans[i]: the span request req_ids[i] verified (1: decoded plainly); accepted[i]: its drafts accepted
-    (0..spans[i] - 1). seconds: the step's wall time (draft included), draft_seconds: the draft's share;
-    both None when the step is no cost sample (it captured a graph, or failed to time)."""
+    (0..spans[i] - 1). seconds: the step's wall time, from its scheduling to the end of its commit (draft
+    included, the catch-up of carried context excluded), draft_seconds: the draft's share; None when the step
+    is no cost sample (it captured a graph). Reported after the commit: requests that finished are released."""
 
     req_ids: tuple[int, ...]
     spans: tuple[int, ...]

@@ -241,6 +241,29 @@ def test_steps_that_capture_a_graph_are_not_cost_samples(trained_pair):
         assert verify and all(0 <= rep.draft_seconds <= rep.seconds for rep in verify)  # type: ignore[operator]
 
 
+def test_a_steps_cost_sample_is_its_whole_wall_time(trained_pair):
+    """The span policy prices a step by its whole wall time, the host's scheduling, checks and commit around
+    the runner's forward included (Engine.step -> Scheduler.report_step): every timed report is longer than the
+    runner's own time for that step, and a verify's draft share stays within it."""
+    policy = random_spans(B, seed=2)
+    engine = cpu_engine(trained_pair.target, trained_pair.draft, span_policy=policy)
+    runner_s: list[float | None] = []
+    execute = engine.runner.execute
+
+    def timed(plan):
+        result = execute(plan)
+        if plan.requests and type(plan).__name__ != "PrefillPlan":
+            runner_s.append(result.seconds)
+        return result
+
+    engine.runner.execute = timed  # type: ignore[method-assign]
+    greedy(engine, [[5, 7, 9], [11, 12]], 24)
+    assert len(policy.reports) == len(runner_s) > 0
+    for rep, ran in zip(policy.reports, runner_s):
+        assert rep.seconds is not None and ran is not None and rep.seconds > ran, (rep.seconds, ran)
+        assert rep.draft_seconds is None or rep.draft_seconds <= ran
+
+
 def test_timing_the_shapes_touches_no_request(trained_pair):
     """capture_graphs times every shape's replay (the span policy's start-up cost table) on the dummy
     pages: called mid-run, with live requests' KV and drafter context in the pools, the outputs stay exact."""
