@@ -122,6 +122,16 @@ def test_bench_fails_loudly_when_the_span_policy_raises():
     assert not engine.has_work()
 
 
+def test_bench_speculation_measures_plain_and_that_policy(capsys):
+    rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "3", "--concurrency", "1", "--speculation", "adaptive")
+    assert rc == 0, err
+    rows = {r["mode"]: r for r in res["rows"]}
+    assert sorted(rows) == ["adaptive", "plain"], sorted(rows)
+    assert rows["adaptive"]["spans"]["policy"] == "adaptive"
+    rc, _, err = _bench(capsys, *RANDOM, "--speculation", "fixed", "--modes", "plain")
+    assert rc == 2 and "give --modes or --speculation, not both" in err, err[-300:]
+
+
 def test_bench_refuses_unknown_modes(capsys):
     rc, _, err = _bench(capsys, *RANDOM, "--modes", "plain,adaptive-shadow")
     assert rc == 2 and "--modes 'plain,adaptive-shadow': use a subset of plain,dflash,adaptive" in err, err[-300:]
