@@ -58,8 +58,12 @@ class TokenMap:
         return cls(by_string=by, tokenizer=tok)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of `ids` as a whole (a tokenizer-less map writes each id as " N", as refengine does)."""
+        """The text of `ids` as a whole: the tokenizer's decode; without a tokenizer, each id's string joined
+        (an empty map writes each id as " N", as a tokenizer-less refengine does)."""
         if self.tokenizer is None:
+            if self.by_string:
+                inverse = {i: s for s, cands in self.by_string.items() for i in cands}
+                return "".join(inverse[i] for i in ids)
             return "".join(f" {i}" for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 

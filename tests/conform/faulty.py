@@ -7,6 +7,8 @@ with one fault each, to prove every `golden conform` check fails on its own faul
 - ConcurrentDiffers: a generation that arrives while another is in flight gets its text changed from the
   middle on (solo answers are right).
 - HalfAcceptance: /metrics reports half the committed tokens of the accepted-length histogram.
+- UnknownNoEcho: not a fault but a lesser server: /metrics is empty (its kind is unknown) and an echo
+  answer has no logprobs, so conform must skip what it cannot check and say why.
 """
 
 from __future__ import annotations
@@ -88,6 +90,17 @@ class HalfAcceptance(Fault):
 
     def metrics(self, text: str) -> str:
         return self.SUM.sub(lambda m: f"{m.group(1)} {float(m.group(2)) / 2}", text)
+
+
+class UnknownNoEcho(Fault):
+    def completion(self, body: dict, answer: dict, inflight: int) -> dict:
+        if body.get("echo"):
+            for choice in answer["choices"]:
+                choice["logprobs"] = None
+        return answer
+
+    def metrics(self, text: str) -> str:
+        return ""
 
 
 class FaultyProxy:

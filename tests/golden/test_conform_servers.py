@@ -2,7 +2,8 @@
 spec-off server as --baseline-url, and spec off alone) and each check fails exactly on its own fault.
 
 The servers run the trained tiny pair on CPU (fp32, eager) in-process (refengine.server.serve.BackgroundServer);
-the faulty ones are tests/conform/faulty.py proxies in front of the spec server: a token flipped in one
+an unknown server (empty /metrics, no logprobs on echo) skips topk and acceptance saying why and passes the
+rest; the faulty ones are tests/conform/faulty.py proxies in front of the spec server: a token flipped in one
 answer fails `greedy` only, stale scoring answers for a re-used prompt fail `topk` only, concurrent answers
 that differ from solo fail `concurrency` only, a halved accepted-length counter fails `acceptance` only. Each
 run gates 3 golden prompts (--prompts 3) with the fp32 tolerances. This file bridges engine and golden;
@@ -22,7 +23,15 @@ from conftest import FIXTURES
 from golden.cli import main
 from golden.conform.parse import TokenMap
 from tests.adapter import cpu_engine
-from tests.conform.faulty import ConcurrentDiffers, Fault, FaultyProxy, FlipOneToken, HalfAcceptance, StaleLogprobs
+from tests.conform.faulty import (
+    ConcurrentDiffers,
+    Fault,
+    FaultyProxy,
+    FlipOneToken,
+    HalfAcceptance,
+    StaleLogprobs,
+    UnknownNoEcho,
+)
 
 PAIR = FIXTURES / "tiny-trained"
 GOLDEN = FIXTURES.parent / "golden" / "data" / "tiny-trained"
@@ -131,3 +140,14 @@ def test_half_acceptance_counter_fails_acceptance_only(spec_server):
     code, st, text = run_faulty(spec_server, HalfAcceptance())
     assert code == 1 and st == expected("acceptance"), text
     assert "relative delta -0.5000" in text, text
+
+
+def test_unknown_server_skips_what_its_answers_cannot_support_and_says_why(spec_server):
+    code, st, text = run_faulty(spec_server, UnknownNoEcho())
+    assert code == 0, text
+    assert st == {
+        **dict.fromkeys(("greedy", "concurrency"), "pass"),
+        **dict.fromkeys(("topk", "baseline", "acceptance", "sampling"), "skip"),
+    }, text
+    assert "unknown server" in text and "do not support this check" in text, text
+    assert "support `echo` with `logprobs`" in text, text
