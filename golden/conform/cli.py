@@ -113,12 +113,17 @@ def run_conform(args: argparse.Namespace, out=None) -> int:
 
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m golden")
-    add_conform_parser(ap.add_subparsers(dest="command", required=True))
+    from golden.cli import UsageError, _Parser  # argparse errors end with a JSON line too, as `check`'s do
+
+    out = out or sys.stdout
+    ap = _Parser(prog="python -m golden")
+    add_conform_parser(ap.add_subparsers(dest="command", required=True, parser_class=_Parser))
     try:
         args = ap.parse_args(argv)
-    except SystemExit as e:
-        return EXIT_USAGE if e.code else EXIT_PASS
+    except UsageError as e:
+        print(f"golden conform: usage error: {e}", file=out)
+        print(json.dumps({"check": "conform", "result": "error", "exit_code": EXIT_USAGE, "message": str(e)}), file=out)
+        return EXIT_USAGE
     return run_conform(args, out)
 
 
