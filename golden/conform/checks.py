@@ -72,14 +72,18 @@ class Context:
         return server.complete({**body, **self.extras})
 
 
+STRICT_KINDS = ("refengine", "vllm")  # their docs promise echo + logprobs: an unreadable answer is a failure
+
+
 def guarded(name: str, ctx: Context, fn: Callable[[], CheckResult]) -> CheckResult:
-    """Run a check; a server answer the check cannot read fails it on a known server, and skips it (with the
-    reason) on an unknown one, whose API may simply not offer the fields."""
+    """Run a check. An answer the check cannot read (missing fields, an HTTP error) fails it on a server whose
+    docs promise the fields (STRICT_KINDS), and skips it, with the reason, on any other (SGLang, unknown),
+    whose API may simply not offer them."""
     try:
         return fn()
     except (ResponseError, ServerError) as e:
-        if ctx.kind == "unknown":
-            return CheckResult(name, SKIP, f"the server's answers do not support this check: {e}")
+        if ctx.kind not in STRICT_KINDS:
+            return CheckResult(name, SKIP, f"the server's answers do not support this check ({ctx.kind}): {e}")
         return CheckResult(name, FAIL, f"{type(e).__name__}: {e}")
 
 
