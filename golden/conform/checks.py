@@ -7,8 +7,8 @@
 - greedy: each golden prompt generated greedily, gated against HF greedy by the first-divergence regret gate
   (HF scores the divergence; reanchored, so every later token is gated too).
 - concurrency: prompts with staggered max_tokens, first solo in ascending budget order (short then long: a
-  stale captured graph or a batch-size-keyed buffer shows), then all at once; each burst output is gated
-  against its solo output by the regret gate.
+  stale captured graph or a batch-size-keyed buffer shows), then the shorter half at once, then all at once;
+  each output is gated against its solo ids run by the (text) regret gate.
 - baseline: spec on (--url) against spec off (--baseline-url), prompt by prompt, by the regret gate.
 - acceptance: tau over the greedy run from the server's /metrics before and after, against the acceptance
   golden's tau within a relative tolerance.
@@ -184,15 +184,20 @@ def check_concurrency(ctx: Context, budgets: Sequence[int] = BUDGETS) -> CheckRe
         text = _text(ctx.generate(ctx.server, recs[i], budgets[i], logprobs=False))
         name = f"{recs[i].name}@max_tokens={budgets[i]}/solo"
         reports.append(text_regret_gate(recs[i].prompt_ids, *solo[i], text, src.score, ctx.tmap, ctx.margin, name))
-    bodies = [{"prompt": r.prompt_ids, "max_tokens": b, "temperature": 0, **ctx.extras} for r, b in zip(recs, budgets)]
-    for i, resp in enumerate(run_concurrently(ctx.server, bodies)):
-        name = f"{recs[i].name}@max_tokens={budgets[i]}/burst"
-        reports.append(
-            text_regret_gate(recs[i].prompt_ids, *solo[i], _text(resp), src.score, ctx.tmap, ctx.margin, name)
-        )
-    return _regret_summary(
-        "concurrency", reports, f"runs (max_tokens {list(budgets)}, solo then all at once) vs solo ids runs"
-    )
+    # bursts: the shorter half at once, then all at once (a batch shape captured for the first must not serve
+    # the second)
+    short = order[: max(1, len(order) // 2)]
+    for label, group in (("short-burst", short), ("burst", list(range(len(budgets))))):
+        bodies = [
+            {"prompt": recs[i].prompt_ids, "max_tokens": budgets[i], "temperature": 0, **ctx.extras} for i in group
+        ]
+        for i, resp in zip(group, run_concurrently(ctx.server, bodies)):
+            name = f"{recs[i].name}@max_tokens={budgets[i]}/{label}"
+            reports.append(
+                text_regret_gate(recs[i].prompt_ids, *solo[i], _text(resp), src.score, ctx.tmap, ctx.margin, name)
+            )
+    what = f"runs (max_tokens {list(budgets)}: solo short to long, the shorter half at once, all at once) vs solo"
+    return _regret_summary("concurrency", reports, what)
 
 
 def check_baseline(ctx: Context, baseline: Server | None) -> CheckResult:
