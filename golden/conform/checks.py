@@ -9,7 +9,8 @@
 - concurrency: prompts with staggered max_tokens, first solo in ascending budget order (short then long: a
   stale captured graph or a batch-size-keyed buffer shows), then the shorter half at once, then all at once;
   each output is gated against its solo ids run by the (text) regret gate.
-- baseline: spec on (--url) against spec off (--baseline-url), prompt by prompt, by the regret gate.
+- baseline: spec on (--url) against spec off (--baseline-url), prompt by prompt, by the regret gate; at a
+  divergence both picks (spec's and baseline's) must be within the band, so either side being wrong fails.
 - acceptance: tau over the greedy run from the server's /metrics before and after, against the acceptance
   golden's tau within a relative tolerance.
 - sampling: skipped (the sampling issue has not landed).
@@ -26,7 +27,15 @@ from golden.conform.prom import SpecCounters, TauWindow, tau_between
 from golden.conform.rowgate import string_row_gate
 from golden.conform.source import GoldenSource
 from golden.conform.textgate import text_regret_gate
-from golden.gates import HEAD_TOP_N, MARGIN_TOL, RegretReport, Tolerances, first_divergence_regret_gate
+from golden.gates import (
+    HEAD_TOP_N,
+    MARGIN_TOL,
+    RegretReport,
+    Tolerances,
+    Violation,
+    _regret,
+    first_divergence_regret_gate,
+)
 from golden.records import GreedyRecord, TopKRecord
 
 PASS, FAIL, SKIP, REPORT = "pass", "fail", "skip", "report"
@@ -210,10 +219,21 @@ def check_baseline(ctx: Context, baseline: Server | None) -> CheckResult:
             return CheckResult("baseline", SKIP, "the greedy check did not run: no spec-on outputs to compare")
         resp = ctx.generate(baseline, g, len(g.output_ids))
         base = generated_ids(resp, ctx.tmap, g.output_ids)
-        reports.append(
-            text_regret_gate(g.prompt_ids, base, _text(resp), spec_text, ctx.source.score, ctx.tmap, ctx.margin, g.name)
+        rep = text_regret_gate(
+            g.prompt_ids, base, _text(resp), spec_text, ctx.source.score, ctx.tmap, ctx.margin, g.name
         )
-    return _regret_summary("baseline", reports, "text-only runs with spec on vs the --baseline-url ids runs")
+        j = rep.first_divergence
+        if j is not None:  # symmetric: the baseline's own pick at the divergence must be within the band too
+            row = ctx.source.score_record(g.prompt_ids + base[:j])
+            regret, in_topk = _regret(row.topk_ids[-1], row.topk_logprobs[-1], base[j])
+            rep.max_regret = max(rep.max_regret, regret)
+            if regret > ctx.margin:
+                rep.violations.append(
+                    Violation(g.name + " (baseline pick)", j, base[j], row.topk_ids[-1][0], regret, in_topk)
+                )
+        reports.append(rep)
+    what = "text-only runs with spec on vs the --baseline-url ids runs (both picks gated at a divergence)"
+    return _regret_summary("baseline", reports, what)
 
 
 def check_acceptance(ctx: Context, rel_tol: float) -> CheckResult:

@@ -108,7 +108,10 @@ def _live(pair_dir: Path, model: Path, tokenizer: Path | None, prompts: int | No
     from golden import hf_reference
     from golden.pairs import PairSpec, prompt_set
 
-    spec = PairSpec(name=pair_dir.name, target_dir=pair_dir, draft_dir=pair_dir)
+    # the drafter's config names the MASK id random prompts avoid: a sibling draft/ (the fixtures' layout),
+    # else none (then the last vocabulary row is avoided)
+    draft = pair_dir.parent / "draft"
+    spec = PairSpec(name=pair_dir.name, target_dir=pair_dir, draft_dir=draft if draft.is_dir() else pair_dir / "-")
     chosen = dict(list(prompt_set(spec).items())[:prompts])
     dt = getattr(torch, dtype)
     greedy = hf_reference.greedy(model, chosen, spec.continuation_tokens, spec.eos_token_id, dt, device)

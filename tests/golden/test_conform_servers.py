@@ -3,11 +3,12 @@ spec-off server as --baseline-url, and spec off alone) and each check fails exac
 
 The servers run the trained tiny pair on CPU (fp32, eager) in-process (refengine.server.serve.BackgroundServer);
 an unknown server (empty /metrics, no logprobs on echo) skips topk and acceptance saying why and passes the
-rest; the faulty ones are tests/conform/faulty.py proxies in front of the spec server: a token flipped in one
-answer fails `greedy` only, stale scoring answers for a re-used prompt fail `topk` only, concurrent answers
-that differ from solo fail `concurrency` only, a halved accepted-length counter fails `acceptance` only. Each
-run gates 3 golden prompts (--prompts 3) with the fp32 tolerances. This file bridges engine and golden;
-golden itself never imports refengine.
+rest; --pair as the checkpoint computes the goldens live. The faulty ones are tests/conform/faulty.py
+proxies: in front of the spec server, a token flipped in one answer fails `greedy` only, stale scoring
+answers for a re-used prompt fail `topk` only, concurrent answers that differ from solo fail `concurrency`
+only, a halved accepted-length counter fails `acceptance` only; in front of the spec-off server, one flipped
+answer fails `baseline` only. Each run gates 3 golden prompts (--prompts 3) with the fp32 tolerances. This
+file bridges engine and golden; golden itself never imports refengine.
 
 Run: PYTHONPATH=. python -m pytest tests/golden/test_conform_servers.py -q -p no:cacheprovider
 """
@@ -151,3 +152,29 @@ def test_unknown_server_skips_what_its_answers_cannot_support_and_says_why(spec_
     }, text
     assert "unknown server" in text and "do not support this check" in text, text
     assert "support `echo` with `logprobs`" in text, text
+
+
+def test_baseline_that_differs_from_spec_fails_baseline_only(spec_server, plain_server):
+    tmap = TokenMap.from_tokenizer(PAIR / "target" / "tokenizer.json")
+    word = next(s for s, ids in tmap.by_string.items() if len(ids) == 1 and len(s) > 3 and s.isalpha())
+    fault = FlipOneToken(nth=1, replacement=word)
+    proxy = FaultyProxy((plain_server.host, plain_server.port), fault)  # the spec-off server answers wrongly once
+    try:
+        code, result, text = conform(url_of(spec_server), "--baseline-url", proxy.url)
+    finally:
+        proxy.stop()
+    assert fault.flipped == 1
+    assert code == 1 and statuses(result) == {**expected("baseline"), "baseline": "fail"}, text
+    assert "regret gate" in text and "first divergence" in text, text
+
+
+def test_live_goldens_from_the_checkpoint(spec_server):
+    """--pair as the HF checkpoint: the goldens are computed live with HF over the pair's prompt set."""
+    out = io.StringIO()
+    argv = ["conform", "--url", url_of(spec_server), "--model", "tiny-trained", "--pair", str(PAIR / "target")]
+    code = main([*argv, "--tol", "fp32", "--prompts", "2", "--checks", "topk,greedy,acceptance"], out)
+    text = out.getvalue()
+    result = json.loads(text.strip().splitlines()[-1])
+    assert code == 0, text
+    assert statuses(result) == {"topk": "pass", "greedy": "pass", "acceptance": "report"}, text
+    assert "no acceptance golden" in result["checks"]["acceptance"]["summary"], text
