@@ -90,7 +90,7 @@ def guarded(name: str, ctx: Context, fn: Callable[[], CheckResult]) -> CheckResu
     whose API may simply not offer them."""
     try:
         return fn()
-    except (ResponseError, ServerError) as e:
+    except (ResponseError, ServerError, KeyError, TypeError, ValueError) as e:  # a malformed answer included
         if ctx.kind not in STRICT_KINDS:
             return CheckResult(name, SKIP, f"the server's answers do not support this check ({ctx.kind}): {e}")
         return CheckResult(name, FAIL, f"{type(e).__name__}: {e}")
