@@ -3,6 +3,7 @@
     python -m golden check topk       --engine E.jsonl --golden golden/data/<pair> [--tol bf16|fp32 | --fp32]
     python -m golden check greedy     --engine E.jsonl --golden golden/data/<pair>
     python -m golden check acceptance --engine E.jsonl --golden golden/data/<pair> [--margin-tol X]
+    python -m golden conform --url URL --model NAME --pair DIR [...]   (golden/conform/cli.py)
     (any check: --names a,b,c gates only that explicit subset of the golden records)
 
 `--golden` is a pair's data directory (the check reads topk.jsonl.gz / greedy.jsonl / acceptance.jsonl in
@@ -159,6 +160,11 @@ CHECKS: dict[str, Callable] = {"topk": _check_topk, "greedy": _check_greedy, "ac
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:
     out = out or sys.stdout
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["conform"]:  # golden/conform/cli.py: the gates against a running server
+        from golden.conform.cli import main as conform_main
+
+        return conform_main(argv, out)
     kind = None
     try:
         args = build_parser().parse_args(argv)
