@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,10 +68,21 @@ class Server:
         except ValueError as e:
             raise ServerError(f"POST {self.url}/v1/completions: body is not JSON: {raw[:200]!r}") from e
 
-    def metrics(self) -> str | None:
-        """GET /metrics as text, or None when the server answers anything but 200."""
-        status, raw = self._request("GET", "/metrics")
-        return raw.decode("utf-8", "replace") if status == 200 else None
+    def metrics(self, settle_s: float = 2.0) -> str | None:
+        """GET /metrics as text once its serving metrics read the same twice 50 ms apart (a server may count a
+        request a moment after its answer ends; the process_ and python_ collectors always move), at most
+        `settle_s`; None when the server answers anything but 200."""
+        deadline, last = time.monotonic() + settle_s, None
+        while True:
+            status, raw = self._request("GET", "/metrics")
+            if status != 200:
+                return None
+            text = raw.decode("utf-8", "replace")
+            serving = [x for x in text.splitlines() if not x.startswith(("process_", "python_", "# "))]
+            if serving == last or time.monotonic() > deadline:
+                return text
+            last = serving
+            time.sleep(0.05)
 
 
 def run_concurrently(server: Server, bodies: Sequence[dict]) -> list[dict]:

@@ -235,6 +235,13 @@ class EngineLoop:
             live.stream.push(Update(error=internal_error(message)))
 
     def _publish(self) -> None:
+        # finished requests go into the totals and the snapshot first: a client that saw its answer end then
+        # reads /metrics counting it
+        for r in self.engine.finished:  # (the engine's list would grow forever otherwise)
+            self.spec.merge(r.spec)
+            self.finished[r.finish_reason.value if r.finish_reason else "unknown"] += 1
+        self.engine.finished.clear()
+        self._publish_snapshot()
         for rid, live in list(self._live.items()):
             req = live.req
             new = req.output_ids[live.sent :]
@@ -250,11 +257,6 @@ class EngineLoop:
             if req.finished:
                 del self._live[rid]
                 self._close(live.stream)
-        for r in self.engine.finished:  # fold into the totals; the engine's list would grow forever otherwise
-            self.spec.merge(r.spec)
-            self.finished[r.finish_reason.value if r.finish_reason else "unknown"] += 1
-        self.engine.finished.clear()
-        self._publish_snapshot()
 
     def _publish_snapshot(self) -> None:
         eng = self.engine
