@@ -74,3 +74,17 @@ def one_hot(v: int, index: int) -> np.ndarray:
     out = np.zeros(v, dtype=np.float64)
     out[index] = 1.0
     return out
+
+
+def rank_order(probs: np.ndarray) -> np.ndarray:
+    """Token ids by probability descending, ties by lower id first: the order the gate's PIT uses."""
+    p = np.asarray(probs, dtype=np.float64)
+    return np.lexsort((np.arange(p.size), -p))
+
+
+def cdf_step(probs: np.ndarray, token: int) -> tuple[float, float]:
+    """(cdf_below, prob) of `token` for the gate's records: the mass of the tokens ranked before it in
+    rank_order (more probable, or as probable with a lower id), and its own probability."""
+    p = np.asarray(probs, dtype=np.float64)
+    before = (p > p[token]) | ((p == p[token]) & (np.arange(p.size) < token))
+    return float(p[before].sum()), float(p[token])
