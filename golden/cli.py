@@ -3,13 +3,15 @@
     python -m golden check topk       --engine E.jsonl --golden golden/data/<pair> [--tol bf16|fp32 | --fp32]
     python -m golden check greedy     --engine E.jsonl --golden golden/data/<pair>
     python -m golden check acceptance --engine E.jsonl --golden golden/data/<pair> [--margin-tol X]
+    python -m golden check distribution --engine S.jsonl --golden C.jsonl [--alpha A] [--min-positions N]
     python -m golden conform --url URL --model NAME --pair DIR [...]   (golden/conform/cli.py)
     (any check: --names a,b,c gates only that explicit subset of the golden records)
 
-`--golden` is a pair's data directory (the check reads topk.jsonl.gz / greedy.jsonl / acceptance.jsonl in
-it) or a records file. Prints a short human summary, then one JSON object as the last line. Exit code:
-0 pass, 1 fail, 2 usage error or input that cannot be gated (a missing or malformed file, or a coverage
-error: no records, some missing, a name twice, unknown names, other input ids, k < 8).
+`--golden` is a pair's data directory (the check reads topk.jsonl.gz / greedy.jsonl / acceptance.jsonl /
+distribution.jsonl in it) or a records file. Prints a short human summary, then one JSON object as the last
+line. Exit code: 0 pass, 1 fail, 2 usage error or input that cannot be gated (a missing or malformed file,
+or a coverage error: no records, some missing, a name twice, unknown names, other input ids, k < 8, fewer
+sampled positions than the distribution gate needs).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from golden.acceptance import acceptance_gate
+from golden.distribution.gate import PIT_SEED, distribution_gate
+from golden.distribution.records import read_conditionals_jsonl, read_samples_jsonl
+from golden.distribution.stats import ALPHA, ks_sample_size
 from golden.errors import GoldenError
 from golden.gates import BF16, DRAFT_MARGIN_TOL, FP32, Tolerances, hf_gate
 from golden.greedy_gate import greedy_gate
@@ -30,7 +35,12 @@ from golden.records import read_acceptance_jsonl, read_greedy_jsonl, read_topk_j
 
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 TOLERANCES_BY_NAME: dict[str, Tolerances] = {"bf16": BF16, "fp32": FP32}
-GOLDEN_FILES = {"topk": "topk.jsonl.gz", "greedy": "greedy.jsonl", "acceptance": "acceptance.jsonl"}
+GOLDEN_FILES = {
+    "topk": "topk.jsonl.gz",
+    "greedy": "greedy.jsonl",
+    "acceptance": "acceptance.jsonl",
+    "distribution": "distribution.jsonl",
+}
 LISTED = 20  # violations / mismatches listed in the JSON line
 
 
@@ -52,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("topk", "teacher-forced top-k vs HF (hf_gate)"),
         ("greedy", "greedy outputs vs HF greedy, exact"),
         ("acceptance", "per-step committed lengths vs the oracle's"),
+        ("distribution", "sampled continuations vs the oracle's conditionals (PIT: KS + chi-square)"),
     ):
         p = kinds.add_parser(kind, help=helptext)
         p.add_argument("--engine", required=True, type=Path, help="the engine's records (JSONL, .gz ok)")
@@ -72,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                 default=DRAFT_MARGIN_TOL,
                 help=f"drafter top-2 near-tie band (default {DRAFT_MARGIN_TOL}, fp32)",
             )
+        if kind == "distribution":
+            p.add_argument("--alpha", type=float, default=ALPHA, help=f"level of each test (default {ALPHA:g})")
+            p.add_argument(
+                "--min-positions",
+                type=int,
+                default=None,
+                help="fewer pooled positions is a coverage error (default: ks_sample_size(), 5119 at alpha 1e-3)",
+            )
+            p.add_argument("--seed", type=int, default=PIT_SEED, help=f"PIT randomization seed (default {PIT_SEED})")
     return ap
 
 
@@ -155,7 +175,41 @@ def _check_acceptance(args) -> tuple[str, bool, dict]:
     return str(report), report.passed, data
 
 
-CHECKS: dict[str, Callable] = {"topk": _check_topk, "greedy": _check_greedy, "acceptance": _check_acceptance}
+def _check_distribution(args) -> tuple[str, bool, dict]:
+    if not 0.0 < args.alpha < 1.0:
+        raise UsageError(f"--alpha must be in (0, 1), got {args.alpha}")
+    report = distribution_gate(
+        read_samples_jsonl(args.engine),
+        read_conditionals_jsonl(golden_path("distribution", args.golden)),
+        alpha=args.alpha,
+        min_positions=args.min_positions,
+        names=_names(args.names),
+        seed=args.seed,
+    )
+    u = report.uniformity
+    data = {
+        "alpha": u.alpha,
+        "records": report.coverage.gated if report.coverage is not None else None,
+        "positions": u.n,
+        "min_positions": report.min_positions,
+        "powered_for_kolmogorov_distance": 0.05 if report.min_positions >= ks_sample_size(alpha=u.alpha) else None,
+        "ks": u.ks,
+        "ks_p": u.ks_p,
+        "chi2": u.chi2,
+        "chi2_p": u.chi2_p,
+        "chi2_counts": u.counts,
+        "impossible": len(report.impossible),
+        "first_impossible": [asdict(i) for i in report.impossible[:LISTED]],
+    }
+    return str(report), report.passed, data
+
+
+CHECKS: dict[str, Callable] = {
+    "topk": _check_topk,
+    "greedy": _check_greedy,
+    "acceptance": _check_acceptance,
+    "distribution": _check_distribution,
+}
 
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:
