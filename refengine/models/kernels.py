@@ -31,12 +31,6 @@ class Kernels(Protocol):
         its first half and sin in its second."""
 
 
-def cos_sin_cache(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """FlashInfer's table layout from full-width rotate-half tables [max_pos, D]: [cos[:, :D/2], sin[:, :D/2]]."""
-    half = cos.shape[-1] // 2
-    return torch.cat([cos[:, :half], sin[:, :half]], dim=-1).float().contiguous()
-
-
 class TorchKernels:
     """Reference implementations (HF rounding order: normalise in fp32, cast, then scale)."""
 

@@ -169,10 +169,6 @@ class SegmentedStack:
         half = cfg.head_dim // 2
         self.cos_sin = torch.cat([rope.cos[:, :half], rope.sin[:, :half]], dim=-1).float().contiguous()
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.layers) + 1
-
     def segment(self, i: int, st: StepState, head: bool = True) -> None:
         """Run dense segment i (0..num_layers) on all of st's rows; head=False stops the last one at the final
         normed hidden rows (st.hidden), without the lm_head and argmax."""

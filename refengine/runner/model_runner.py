@@ -280,7 +280,3 @@ class ModelRunner(VerifyStep):
         )
         self._sync()
         return StepResult(a, t)
-
-
-def _bucket(runner: GraphRunner | None, n: int) -> int:
-    return (runner.bucket_for(n) if runner is not None else None) or n

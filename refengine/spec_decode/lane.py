@@ -96,11 +96,6 @@ class DFlashLane(LaneDraft):
         c = self._ctx[req_id]
         return c.length + c.pending_rows
 
-    def pending_rows(self, req_id: int) -> int:
-        """Committed rows not projected yet: a draft of the request projects them first (more than B: a
-        catch-up, _catch_up)."""
-        return self._ctx[req_id].pending_rows
-
     def persistent_bytes(self) -> int:
         """Bytes held for live requests: their pool pages (context K/V and block scratch) plus the feature
         store's rows at their target KV pages."""
