@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = [
+    "tests.servers"
+]  # spec_server / plain_server: the served tiny pair (tests/serve, the conformance tests)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -183,29 +183,53 @@ def hf_gate(
             f"{len(narrow)} have fewer: {', '.join(narrow[:8])}"
         )
     report = GateReport(tol=tol, coverage=coverage)
-    deltas: list[tuple[float, str, int, int]] = []
+    deltas: list[Delta] = []
     for rec, ref in pairs:
         for p in range(len(rec.token_ids)):
-            e_ids, e_lps = rec.topk_ids[p], rec.topk_logprobs[p]
-            h_ids, h_lps = ref.topk_ids[p], ref.topk_logprobs[p]
-            regret, in_topk = _regret(h_ids, h_lps, e_ids[0])
-            report.max_regret = max(report.max_regret, regret)
-            if not in_topk or regret > tol.margin:
-                report.violations.append(Violation(rec.name, p, e_ids[0], h_ids[0], regret, in_topk))
-            for tok, e_lp in zip(e_ids[:HEAD_TOP_N], e_lps[:HEAD_TOP_N]):
-                h_lp = ref.logprob_of(p, tok)
-                if h_lp is None:
-                    report.missing_from_hf += 1
-                    h_lp = h_lps[-1]
-                deltas.append((abs(e_lp - h_lp), rec.name, p, tok))
-            report.positions += 1
+            e_ids = rec.topk_ids[p]
+            gate_position(report, deltas, rec.name, p, ref, [e_ids[0]], e_ids, rec.topk_logprobs[p])
+    finish_head_deltas(report, deltas, worst_n)
+    return report
+
+
+Delta = tuple[float, str, int, int]  # (|engine lp - HF lp|, record name, position, token)
+
+
+def gate_position(
+    report: GateReport,
+    deltas: list[Delta],
+    name: str,
+    p: int,
+    ref: TopKRecord,
+    argmax: Sequence[int],
+    e_ids: Sequence[int],
+    e_lps: Sequence[float],
+) -> None:
+    """hf_gate at one position: the engine's argmax (when ambiguous, its best candidate: a lower bound on its
+    regret) against HF's row within the margin, and the head deltas of its top-8 entries (a token outside HF's
+    top-k scored against HF's k-th logprob, counted in missing_from_hf)."""
+    h_ids, h_lps = ref.topk_ids[p], ref.topk_logprobs[p]
+    regret, in_topk, pick = min((*_regret(h_ids, h_lps, c), c) for c in argmax)
+    report.max_regret = max(report.max_regret, regret)
+    if not in_topk or regret > report.tol.margin:
+        report.violations.append(Violation(name, p, pick, h_ids[0], regret, in_topk))
+    for tok, e_lp in zip(e_ids[:HEAD_TOP_N], e_lps[:HEAD_TOP_N]):
+        h_lp = ref.logprob_of(p, tok)
+        if h_lp is None:
+            report.missing_from_hf += 1
+            h_lp = h_lps[-1]
+        deltas.append((abs(e_lp - h_lp), name, p, tok))
+    report.positions += 1
+
+
+def finish_head_deltas(report: GateReport, deltas: list[Delta], worst_n: int) -> None:
+    """The head deltas' mean, p99, max and worst entries into the report."""
     values = [d[0] for d in deltas]
     if values:
         report.mean = sum(values) / len(values)
         report.p99 = _percentile(values, 99)
         report.max = max(values)
         report.worst = sorted(deltas, key=lambda d: -d[0])[:worst_n]
-    return report
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The distribution gate (issue 48): speculative *sampling* must leave the target's distribution unchanged.
+"""The distribution gate: speculative *sampling* must leave the target's distribution unchanged.
 
     processing.py   temperature -> top-k -> top-p on logits (HF generate's order), a probability vector
     speculative.py  the reference speculative-sampling step and the exact enumeration that proves it lossless

@@ -25,7 +25,7 @@ from golden.distribution.records import ConditionalRecord, SampleRecord
 from golden.distribution.stats import ALPHA, UniformityReport, ks_sample_size, randomized_pit, uniformity
 from golden.errors import CoverageError
 
-PIT_SEED = 48  # the gate's own randomization stream (issue 48)
+PIT_SEED = 48  # the seed of the gate's own randomization stream (the PIT's uniforms)
 ZERO_PROB = 1e-12  # a sampled token below this oracle probability counts as impossible
 
 

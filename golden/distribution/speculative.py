@@ -1,4 +1,4 @@
-"""The reference speculative-sampling step (DFlash, issue 48) and its exact enumeration.
+"""The reference speculative-sampling step (DFlash) and its exact enumeration.
 
 The rule, for a block of k drafts d_0..d_{k-1}, drafted from q_j (one-hot for greedy drafts):
   accept d_j with probability min(1, p_j(d_j) / q_j(d_j)), in order; at the first rejection commit one

@@ -18,12 +18,9 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
-
 from conftest import FIXTURES
 from golden.cli import main
 from golden.conform.parse import TokenMap
-from tests.adapter import cpu_engine
 from tests.conform.faulty import (
     ConcurrentDiffers,
     Fault,
@@ -37,24 +34,6 @@ from tests.conform.faulty import (
 PAIR = FIXTURES / "tiny-trained"
 GOLDEN = FIXTURES.parent / "golden" / "data" / "tiny-trained"
 CHECKS = ("topk", "greedy", "concurrency", "baseline", "acceptance", "sampling")
-
-
-@pytest.fixture(scope="module")
-def spec_server():
-    from refengine.server.serve import BackgroundServer
-
-    srv = BackgroundServer(cpu_engine(PAIR / "target", PAIR / "draft"), model_name="tiny-trained")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def plain_server():
-    from refengine.server.serve import BackgroundServer
-
-    srv = BackgroundServer(cpu_engine(PAIR / "target"), model_name="tiny-trained")
-    yield srv
-    srv.stop()
 
 
 def conform(url: str, *extra: str) -> tuple[int, dict, str]:

@@ -10,28 +10,11 @@ the JSON line is always last.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from golden.distribution.records import write_distribution_jsonl
 from tests.golden.test_distribution_gate import CFG, Markov, make_records, sample_plain, sharpen
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def golden_cli(tmp_path: Path, *args: str) -> tuple[int, str, dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "golden", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert lines, f"no output; stderr:\n{proc.stderr[-2000:]}"
-    return proc.returncode, proc.stdout, json.loads(lines[-1])
+from tests.golden.test_gate_cli import golden_cli
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Fixtures for the server tests: the trained tiny pair served in-process on a free loopback port.
 
-`spec_server` runs target + DFlash drafter, `plain_server` the target alone; each is a uvicorn.Server in a
-background thread (refengine.server.serve.BackgroundServer), torn down at the end of the session. `reference`
+`spec_server` and `plain_server` come from tests/servers.py (shared with the golden conformance tests);
+`guarded_server` serves the target with small limits and an API key. `reference`
 is a plain CPU engine for Engine.generate / Engine.score comparisons. `require(name)` imports a test-only
 client (openai, lm_eval) inside the test that needs it: collection never imports them, so `pytest -m gpu` on a
 machine without them collects; a selected test whose client is missing fails naming the extra to install."""
@@ -108,24 +108,6 @@ class HealthProbe:
     @property
     def worst(self) -> float:
         return max(self.latencies, default=float("inf"))
-
-
-@pytest.fixture(scope="session")
-def spec_server():
-    from refengine.server.serve import BackgroundServer
-
-    srv = BackgroundServer(cpu_engine(PAIR / "target", PAIR / "draft"), model_name="tiny-trained")
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="session")
-def plain_server():
-    from refengine.server.serve import BackgroundServer
-
-    srv = BackgroundServer(cpu_engine(PAIR / "target"), model_name="tiny-trained")
-    yield srv
-    srv.stop()
 
 
 API_KEY = "test-key"
