@@ -20,6 +20,7 @@ from refengine.checkpoint_json import (  # noqa: F401  (read_config_json, read_s
     where_of,
 )
 from refengine.errors import CheckpointError, UnsupportedConfigError
+from refengine.span_policy.base import SPAN_POLICIES
 
 # The drafter lane projects pending context rows (fc -> hidden_norm -> per-layer K/V) this many at a time, so
 # the transient is bounded however many long prompts were prefilled before a draft (memory.py bills it).
@@ -199,7 +200,7 @@ def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None, max_mo
     return min(limit, max_model_len or limit)
 
 
-SPECULATION_MODES = ("fixed", "adaptive")  # the span policies (refengine/span_policy/base.py: SPAN_POLICIES)
+SPECULATION_MODES = tuple(SPAN_POLICIES)  # the span policies by name (refengine/span_policy/base.py)
 
 
 @dataclass(frozen=True)

@@ -249,8 +249,8 @@ class ModelRunner(VerifyStep):
             return StepResult(a, t)
         result = self._decode(plan) if isinstance(plan, DecodePlan) else self._verify(plan)
         if isinstance(plan, DecodePlan):
-            self.timings["decode_s"] += time.perf_counter() - t0
             result.seconds = time.perf_counter() - t0
+            self.timings["decode_s"] += result.seconds
         if self.graph_captures() != captures:
             result.seconds = result.draft_seconds = None
         return result

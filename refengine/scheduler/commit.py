@@ -54,13 +54,12 @@ class StepCommit(StepRecovery):
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # drafting requests at span 1: each row's features become drafter context
-                ids = [r.request_id for r in plan.requests]
-                self.active_proposer.commit_step(ids)
+                n = len(plan.requests)
+                self.active_proposer.commit_step([r.request_id for r in plan.requests])
                 for req in plan.requests:
                     req.spec.record(1, 1)
-                n = len(ids)
                 self.span_counts[1] += n
-                self._step_report = StepReport(tuple(ids), (1,) * n, (0,) * n, result.seconds, result.draft_seconds)
+                self._report(plan, [1] * n, [0] * n, result)
             for i, req in enumerate(plan.requests):
                 if result.topk:
                     req.topk.extend(result.topk[i])

@@ -133,11 +133,10 @@ class Scheduler(Admission, StepCommit):
                 return None
             self.plan_counts["prefill"] += 1
             return plan
-        if self.proposer is None:
-            spec, plain = [], self.running
-        else:  # (speculates(), inlined: this runs every step)
-            spec = [r for r in self.running if r.params.logprobs == 0]
-            plain = [r for r in self.running if r.params.logprobs != 0] if len(spec) < len(self.running) else []
+        spec: list[Request] = []
+        plain: list[Request] = []
+        for r in self.running:
+            (spec if self.speculates(r) else plain).append(r)
         if spec and (self._verify_turn or not plain):
             self._verify_turn = False
             spans = self._choose(spec)

@@ -42,7 +42,7 @@ class GoodputSpans(SpanPolicy):
         self.estimates = AcceptanceEstimates(max(block_size, 2))
         self.costs = StepCosts()
         self.shapes = EAGER_SHAPES
-        self.live: dict[int, int] = {}  # req -> budget
+        self.live: set[int] = set()  # admitted, not released
         self.open = False  # a request joined the batch after a step of it was chosen
         self._chosen = False  # a step was chosen since the batch last emptied
         self.elapsed_s = 0.0  # observed step time, fading by POPULATION_DECAY a step
@@ -62,11 +62,11 @@ class GoodputSpans(SpanPolicy):
     def admit(self, req_id: int, budget: int) -> None:
         if self.live and self._chosen:
             self.open = True
-        self.live[req_id] = budget
+        self.live.add(req_id)
         self.estimates.add(req_id)
 
     def release(self, req_id: int) -> None:
-        self.live.pop(req_id, None)
+        self.live.discard(req_id)
         self.estimates.remove(req_id)
         if not self.live:
             self.open = self._chosen = False
