@@ -201,6 +201,7 @@ def max_context_tokens(target: ModelConfig, drafter: DFlashConfig | None, max_mo
 
 
 SPECULATION_MODES = tuple(SPAN_POLICIES)  # the span policies by name (refengine/span_policy/base.py)
+DRAFT_SAMPLINGS = ("sampled", "greedy")  # how a sampling request drafts (EngineConfig.draft_sampling)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,9 @@ class EngineConfig:
     # "fixed": every verify span is min(B, remaining); "adaptive": GoodputSpans picks each request's span
     # (1..B) per step from measured step costs and its acceptance (refengine/span_policy/; output unchanged)
     speculation: str = "fixed"
+    # A sampling request's drafts (temperature > 0): "sampled", drawn from the drafter's processed
+    # distribution q; "greedy", its argmax (q one-hot). Either is lossless; they accept differently.
+    draft_sampling: str = "sampled"
     # Benchmark-only acceptance profiles (outputs stop being greedy-exact) cannot be set here: only
     # `refengine bench --acceptance-profile` enables them. Any value is refused.
     acceptance_profile: str | None = None
@@ -270,6 +274,8 @@ class EngineConfig:
             raise UnsupportedConfigError(f"max_model_len={self.max_model_len} must be positive")
         if self.speculation not in SPECULATION_MODES:
             raise UnsupportedConfigError(f"speculation={self.speculation!r}: use one of {SPECULATION_MODES}")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise UnsupportedConfigError(f"draft_sampling={self.draft_sampling!r}: use one of {DRAFT_SAMPLINGS}")
         if self.acceptance_profile is not None:
             raise UnsupportedConfigError(
                 f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "

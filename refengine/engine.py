@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -131,7 +132,15 @@ class Engine:
         )
         graphs, draft_graphs = build_graphs(config, self.target, self.pool, self.proposer, self.store)
         self.runner = ModelRunner(
-            self.target, self.pool, attention, self.proposer, graphs, tp=self.tp, store=self.store, draft=draft_graphs
+            self.target,
+            self.pool,
+            attention,
+            self.proposer,
+            graphs,
+            tp=self.tp,
+            store=self.store,
+            draft=draft_graphs,
+            sampled_drafts=config.draft_sampling == "sampled",
         )
         if self.span_policy is not None:
             self.span_policy.start(self.runner.step_shapes())
@@ -183,7 +192,9 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Request:
         """Queue a request. One that can never be served finishes at once with FinishReason.REJECTED and a
         message (see Request.reject_reason); the engine keeps serving everyone else."""
-        req = Request(next(self._ids), prompt_ids, params or SamplingParams())  # type: ignore[arg-type]
+        params = params or SamplingParams()
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = Request(next(self._ids), prompt_ids, params, seed=seed)  # type: ignore[arg-type]
         self.scheduler.add(req)
         if req.finished:
             self.finished.append(req)

@@ -10,6 +10,7 @@ from refengine.errors import InvalidRequestError
 from refengine.validation import as_bool, as_int, as_real
 
 MAX_LOGPROBS = 64  # most top tokens a request may ask for per position
+MAX_TEMPERATURE = 100.0  # beyond it the distribution is uniform to float precision (and inf/nan are refused)
 
 
 class RequestStatus(enum.Enum):
@@ -34,8 +35,12 @@ class RejectReason(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Greedy only for now (temperature 0). `logprobs` > 0 returns that many top tokens per position
-    (and makes the request ineligible for speculation, as upstream).
+    """How a request picks its tokens. temperature 0 is greedy (top_k / top_p are then unused); above 0 the
+    target's logits are processed as HF `generate` does (temperature, then top-k, then top-p:
+    refengine/sampling/processing.py) and sampled, with DFlash speculative sampling when the request drafts.
+    `seed` keys the request's random stream (refengine/sampling/streams.py): the same seed gives the same
+    tokens alone or in any batch; None draws one at admission. `logprobs` > 0 returns that many top tokens per
+    position, of the unprocessed distribution (and makes the request ineligible for speculation, as upstream).
 
     Validated at construction (refengine.validation): integers may be Python ints, numpy integer scalars or
     0-d torch integer tensors and are stored as int; bools, floats, strings and None are an
@@ -43,6 +48,9 @@ class SamplingParams:
 
     max_tokens: int = 64
     temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
     logprobs: int = 0
     prompt_logprobs: bool = False
     ignore_eos: bool = False
@@ -55,10 +63,18 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens={self.max_tokens} must be >= 1")
         put("temperature", as_real(self.temperature, "temperature"))
-        if self.temperature != 0.0:
-            raise InvalidRequestError(
-                f"temperature={self.temperature}: only greedy decoding (temperature 0) is implemented"
-            )
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(f"temperature={self.temperature}: must be in [0, {MAX_TEMPERATURE}]")
+        put("top_k", as_int(self.top_k, "top_k"))
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k={self.top_k}: must be >= 0 (0 = off)")
+        put("top_p", as_real(self.top_p, "top_p"))
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        if self.seed is not None:
+            put("seed", as_int(self.seed, "seed"))
+            if not 0 <= self.seed < 2**63:
+                raise InvalidRequestError(f"seed={self.seed}: must be in 0..2**63 - 1")
         put("logprobs", as_int(self.logprobs, "logprobs"))
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs={self.logprobs}: must be in 0..{MAX_LOGPROBS}")
@@ -66,6 +82,11 @@ class SamplingParams:
         put("ignore_eos", as_bool(self.ignore_eos, "ignore_eos"))
         if self.prompt_logprobs and self.logprobs == 0:
             raise InvalidRequestError("prompt_logprobs needs logprobs > 0 (how many top tokens to return)")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether tokens are drawn (temperature > 0) rather than the argmax."""
+        return self.temperature > 0.0
 
 
 @dataclass
@@ -120,6 +141,7 @@ class Request:
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
     failed_steps: int = 0  # steps this request was part of that failed and were rolled back
+    seed: int = 0  # its random stream's key: params.seed, or drawn at admission (Engine.add_request)
 
     @property
     def finished(self) -> bool:

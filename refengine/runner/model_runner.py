@@ -15,10 +15,12 @@ from refengine.models.qwen3 import Qwen3Model
 from refengine.models.segmented import SegmentedStack, StepState
 from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult
+from refengine.request import Request
 from refengine.runner.catch_up_graphs import CatchUpGraphs
 from refengine.runner.draft_graphs import DraftGraphs
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
+from refengine.runner.sampled_picks import draw_rows
 from refengine.runner.verify_step import VerifyStep
 from refengine.span_policy.base import ShapeCost, StepShapes
 from refengine.spec_decode.feature_store import FeatureStore
@@ -38,12 +40,15 @@ class ModelRunner(VerifyStep):
         tp: TensorParallelGroup | None = None,
         store: FeatureStore | None = None,
         draft: DraftGraphs | None = None,
+        sampled_drafts: bool = True,
     ):
         self.tp = tp  # tensor parallel: every target forward's inputs go to the other ranks first
         self.target, self.pool, self.attention, self.proposer = target, pool, attention, proposer
         self.graphs = graphs or {}  # "decode" / "verify" runners when a graph mode is on
         self.draft_graphs = draft  # the lane's draft and catch-up graphs (its executor), when a graph mode is on
         self.store = store  # tap features by KV slot, with a proposer (spec_decode/feature_store.py)
+        # a sampling request's drafts: drawn from the drafter's processed distribution, or its argmax
+        self.sampled_drafts = sampled_drafts
         # with graphs, steps outside them (prefills, steps no graph fits) run the graphs' segmented stack
         # eagerly: merged weights and fused kernels (a 128-token Qwen3-4B prefill: 10-14 ms on the H200)
         decode = self.graphs.get("decode")
@@ -110,9 +115,10 @@ class ModelRunner(VerifyStep):
         capture: bool,
         whole_step: bool = False,
         fill: Callable[[StepState], None] | None = None,
-    ) -> list[list[int]] | None:
+    ) -> tuple[list[list[int]], torch.Tensor] | None:
         """Run the step from the `kind` graph when there is one that fits; None means run it eagerly.
-        Returns the argmax of every real row per request, and stages every row when `capture` (`whole_step`:
+        Returns the argmax of every real row per request and the final normed rows [real rows, H] (the
+        graph's buffer: read it before the next replay), and stages every row when `capture` (`whole_step`:
         a decode plan's, one row per request, staged in one call)."""
         runner = self.graphs.get(kind)
         if runner is None or not runner.fits(steps):
@@ -130,7 +136,7 @@ class ModelRunner(VerifyStep):
         for n in lens:
             out.append(argmax[row : row + n])
             row += n
-        return out
+        return out, g.buffers.hidden[:total]
 
     def _stage(self, spans: list[Span], whole_step: bool, capture: list[bool] | None = None) -> None:
         """Tell the proposer which rows of this step have features in the store (held until the commit):
@@ -196,10 +202,11 @@ class ModelRunner(VerifyStep):
         score_rows: list[range],
         topk_k: list[int],
         whole_step: bool = False,
-    ) -> tuple[list[list[int]], list[list[TopK]]]:
+    ) -> tuple[list[list[int]], list[list[TopK]], torch.Tensor]:
         """One target forward. score_rows[i]: which of request i's rows need logits (relative indices);
         capture[i]: stage request i's tap-layer features with the proposer (`whole_step`: a decode plan's
-        rows, one per request, all captured, staged in one call)."""
+        rows, one per request, all captured, staged in one call). Returns the argmax and top-k of every
+        scored row, and those rows' final normed hidden states [scored rows, H]."""
         batch = self._batch(spans)
         ids = torch.tensor([t for ts in tokens for t in ts], device=self.target.device)
         layers = self.proposer.capture_layers if self.proposer is not None and any(capture) else ()
@@ -217,14 +224,15 @@ class ModelRunner(VerifyStep):
                 self.store.write(batch.slots, feats)
             self._stage(spans, whole_step, capture)
         rows = torch.tensor([offsets[i] + j for i, rr in enumerate(score_rows) for j in rr], device=ids.device)
-        argmax, top_ids, top_lp = read_logits(self.target, hidden[rows], max(topk_k, default=0))
+        scored = hidden[rows]
+        argmax, top_ids, top_lp = read_logits(self.target, scored, max(topk_k, default=0))
         out_argmax, out_topk, r = [], [], 0
         for i, rr in enumerate(score_rows):
             n, k = len(rr), topk_k[i]
             out_argmax.append(argmax[r : r + n])
             out_topk.append([(top_ids[j][:k], top_lp[j][:k]) for j in range(r, r + n)] if k else [])
             r += n
-        return out_argmax, out_topk
+        return out_argmax, out_topk, scored
 
     @torch.inference_mode()  # graph buffers are inference tensors wherever they were first made
     def execute(self, plan: Plan) -> StepResult:
@@ -241,9 +249,11 @@ class ModelRunner(VerifyStep):
                 else range(len(r.prompt_ids) - 1, len(r.prompt_ids))
                 for r in reqs
             ]
-            a, t = self._run(
+            a, t, hidden = self._run(
                 [r.prompt_ids for r in reqs], spans, plan.capture, score, [r.params.logprobs for r in reqs]
             )
+            last = [sum(len(s) for s in score[: i + 1]) - 1 for i in range(len(reqs))]  # each one's last row
+            self._draw(reqs, [len(r.prompt_ids) - 1 for r in reqs], a, hidden, last)
             self._sync()
             self.timings["prefill_s"] += time.perf_counter() - t0
             return StepResult(a, t)
@@ -267,10 +277,12 @@ class ModelRunner(VerifyStep):
                 whole_step=plan.capture,
             )
         )
+        starts = [r.committed_len for r in reqs]
         if graphed is not None:
-            return StepResult(graphed)
+            self._draw(reqs, starts, graphed[0], graphed[1], list(range(len(reqs))))
+            return StepResult(graphed[0])
         spans = [(r.request_id, r.committed_len, 1) for r in reqs]
-        a, t = self._run(
+        a, t, hidden = self._run(
             [[r.output_ids[-1]] for r in reqs],
             spans,
             [plan.capture] * len(reqs),
@@ -278,5 +290,19 @@ class ModelRunner(VerifyStep):
             [r.params.logprobs for r in reqs],
             whole_step=plan.capture,
         )
+        self._draw(reqs, starts, a, hidden, list(range(len(reqs))))
         self._sync()
         return StepResult(a, t)
+
+    def _draw(
+        self, reqs: list[Request], starts: list[int], picks: list[list[int]], hidden: torch.Tensor, rows: list[int]
+    ) -> None:
+        """Replace the last pick of each sampling request with a token drawn from its stream: request i's
+        current token is at starts[i], its row in `hidden` is rows[i]."""
+        drawn = [i for i, r in enumerate(reqs) if r.params.sampled]
+        if not drawn:
+            return
+        index = torch.tensor([rows[i] for i in drawn], device=hidden.device)
+        tokens = draw_rows(self.target, [reqs[i] for i in drawn], [starts[i] for i in drawn], hidden[index])
+        for i, tok in zip(drawn, tokens):
+            picks[i][-1] = tok

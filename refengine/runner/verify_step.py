@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from refengine.kv.pool import KvPool
 from refengine.models.qwen3 import Qwen3Model
 from refengine.plan import Plan, StepResult, VerifyPlan
 from refengine.runner.draft_handoff import VerifyClock, draft_fill, launch_drafts, placeholders
 from refengine.runner.graphs import StepRow
 from refengine.runner.logits import TopK
+from refengine.runner.sampled_picks import sample_drafts, verify_picks
 from refengine.spec_decode.proposer import DraftItem, Proposer
 
 
@@ -24,8 +27,9 @@ class VerifyStep:
     timings: dict[str, float]
 
     # ModelRunner's methods (their signatures there)
-    _replay: Callable[..., list[list[int]] | None]
-    _run: Callable[..., tuple[list[list[int]], list[list[TopK]]]]
+    _replay: Callable[..., tuple[list[list[int]], torch.Tensor] | None]
+    _run: Callable[..., tuple[list[list[int]], list[list[TopK]], torch.Tensor]]
+    sampled_drafts: bool
     _sync: Callable[[], None]
 
     def _verify(self, plan: Plan) -> StepResult:
@@ -37,8 +41,9 @@ class VerifyStep:
         ]
         drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1: a plain row, no draft
         drafts: list[list[int]] = [[] for _ in items]
-        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting else None
-        if drafting and launched is None:
+        q = self._sampled_drafts(plan, items, drafting, drafts) if drafting else None
+        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting and q is None else None
+        if drafting and launched is None and q is None:
             for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
                 drafts[i] = d
             self._sync()
@@ -58,10 +63,12 @@ class VerifyStep:
             for i, d in zip(drafting, launched.read()):
                 drafts[i] = d
         if graphed is not None:
-            a = graphed
+            a, hidden = graphed
         else:  # no verify graph fits: the eager forward, on the real drafts
             tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
-            a, _ = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
+            a, _, hidden = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
+        self._sample_picks(plan, view, a, hidden, drafts, q)
+        if graphed is None:
             self._sync()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
         catch_up_s = getattr(self.proposer, "take_catch_up", lambda: 0.0)()
@@ -78,3 +85,62 @@ class VerifyStep:
         return StepResult(
             a, drafts=drafts, seconds=draft_s + verify_s - catch_up_s, draft_seconds=max(draft_s - catch_up_s, 0.0)
         )
+
+    def _sampled_drafts(
+        self, plan: VerifyPlan, items: list[DraftItem], drafting: list[int], drafts: list[list[int]]
+    ) -> torch.Tensor | None:
+        """When a drafting request samples (with sampled drafts on), one eager draft forward for every drafting
+        request: the greedy ones take its argmax, the sampling ones draw from its processed distribution.
+        Fills `drafts`; returns q [len(drafting), B-1, V] (the greedy requests' rows unused), or None when no
+        request draws its drafts (then the drafts come from propose / the draft graph, as at temperature 0)."""
+        assert self.proposer is not None
+        logits_of = getattr(self.proposer, "propose_logits", None)
+        sampled = [j for j, i in enumerate(drafting) if plan.requests[i].params.sampled]
+        if not (self.sampled_drafts and sampled and logits_of is not None) or "propose" in vars(self.proposer):
+            return None  # a replaced propose (tests' logs and faults) must see every draft: greedy drafts then
+        logits = logits_of([items[i] for i in drafting])  # [n, B-1, V] fp32
+        for j, i in enumerate(drafting):
+            if not plan.requests[i].params.sampled:
+                drafts[i] = logits[j, : items[i].span - 1].argmax(-1).tolist()
+        chosen = [drafting[j] for j in sampled]
+        drawn, q = sample_drafts(
+            logits[torch.tensor(sampled, device=logits.device)],
+            [plan.requests[i] for i in chosen],
+            [items[i].start for i in chosen],
+            [items[i].span for i in chosen],
+        )
+        for i, d in zip(chosen, drawn):
+            drafts[i] = d
+        self._sync()
+        full = torch.zeros(len(items), *q.shape[1:], dtype=q.dtype, device=q.device)  # a row per request
+        full[torch.tensor(chosen, device=q.device)] = q
+        return full
+
+    def _sample_picks(
+        self,
+        plan: VerifyPlan,
+        view: list[tuple[int, int, int]],
+        picks: list[list[int]],
+        hidden: torch.Tensor,
+        drafts: list[list[int]],
+        q: torch.Tensor | None,
+    ) -> None:
+        """Replace each sampling request's picks with speculative sampling's (hidden [all rows, H], request
+        order); greedy requests keep their argmax."""
+        drawn = [i for i, r in enumerate(plan.requests) if r.params.sampled]
+        if not drawn:
+            return
+        offsets = [0]
+        for _, _, span in view:
+            offsets.append(offsets[-1] + span)
+        new = verify_picks(
+            self.target,
+            [plan.requests[i] for i in drawn],
+            [view[i][1] for i in drawn],
+            [view[i][2] for i in drawn],
+            [hidden[offsets[i] : offsets[i + 1]] for i in drawn],
+            [drafts[i] for i in drawn],
+            None if q is None else q[torch.tensor(drawn, device=q.device)],
+        )
+        for i, p in zip(drawn, new):
+            picks[i] = p

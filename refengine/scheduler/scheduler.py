@@ -81,7 +81,7 @@ class Scheduler(Admission, StepCommit):
         return self.policy
 
     def speculates(self, req: Request) -> bool:
-        """A drafting request: a proposer is loaded and the request is greedy without logprobs. It holds a
+        """A drafting request: a proposer is loaded and the request asks for no logprobs. It holds a
         drafter context from its prefill on, and every row it commits is recorded there."""
         return self.proposer is not None and req.params.logprobs == 0
 

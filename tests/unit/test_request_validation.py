@@ -1,7 +1,8 @@
 """Request inputs are validated with typed messages (refengine.validation, SamplingParams.__post_init__):
 integers may be Python ints, numpy integer scalars or 0-d torch integer tensors and come out as int; bools,
 floats, strings and None are an InvalidRequestError naming the field (and index) and the value; ranges
-(max_tokens >= 1, logprobs 0..MAX_LOGPROBS, temperature 0) are enforced where SamplingParams is built;
+(max_tokens >= 1, logprobs 0..MAX_LOGPROBS, temperature 0..MAX_TEMPERATURE, top_k >= 0, top_p in (0, 1],
+seed 0..2**63-1) are enforced where SamplingParams is built;
 "outside the vocabulary" is said only of integers out of range; undecodable prompt text (surrogate-escaped
 argv bytes) is an InvalidRequestError saying which byte, where.
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from refengine.errors import InvalidRequestError, RefEngineError
-from refengine.request import MAX_LOGPROBS, SamplingParams
+from refengine.request import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams
 from refengine.validation import decode_prompt_arg, validate_prompt, validate_token_ids
 
 VOCAB = 1024
@@ -46,8 +47,15 @@ INTEGER = "expected an integer (int, numpy integer or 0-d integer tensor)"
         ({"logprobs": MAX_LOGPROBS + 1}, f"logprobs={MAX_LOGPROBS + 1}: must be in 0..{MAX_LOGPROBS}"),
         ({"temperature": "0"}, "temperature='0' (str): expected a number"),
         ({"temperature": None}, "temperature=None (NoneType): expected a number"),
-        ({"temperature": 0.7}, "temperature=0.7: only greedy decoding (temperature 0) is implemented"),
-        ({"temperature": float("nan")}, "temperature=nan: only greedy decoding"),
+        ({"temperature": -0.1}, f"temperature=-0.1: must be in [0, {MAX_TEMPERATURE}]"),
+        ({"temperature": float("nan")}, "temperature=nan: must be in [0,"),
+        ({"temperature": float("inf")}, "temperature=inf: must be in [0,"),
+        ({"top_k": -1}, "top_k=-1: must be >= 0"),
+        ({"top_k": 2.0}, f"top_k=2.0 (float): {INTEGER}"),
+        ({"top_p": 0.0}, "top_p=0.0: must be in (0, 1]"),
+        ({"top_p": 1.5}, "top_p=1.5: must be in (0, 1]"),
+        ({"seed": -1}, "seed=-1: must be in 0..2**63 - 1"),
+        ({"seed": 1.5}, f"seed=1.5 (float): {INTEGER}"),
         ({"ignore_eos": 1}, "ignore_eos=1 (int): expected True or False"),
         ({"ignore_eos": "false"}, "ignore_eos='false' (str): expected True or False"),
         ({"prompt_logprobs": None, "logprobs": 2}, "prompt_logprobs=None (NoneType): expected True or False"),
