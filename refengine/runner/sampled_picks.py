@@ -61,9 +61,12 @@ def verify_picks(
     probs = processed_probs(target.logits(flat), params)  # [sum spans, V]
     dev = probs.device
     # [N, S] index of each (request, row) in `probs`; rows past a span point at the request's first row
-    offsets = np.cumsum([0] + spans[:-1])
-    index = [[o + min(j, sp - 1) for j in range(s)] for o, sp in zip(offsets, spans)]
-    p = probs[torch.tensor(index, device=dev)]  # [N, S, V]
+    if min(spans) == s:  # every span the same (the fixed policy's steady state): a view, no copy
+        p = probs.view(n, s, -1)
+    else:  # [N, S] index of each (request, row) in `probs`; rows past a span repeat its last
+        offsets = np.cumsum([0] + spans[:-1])
+        index = [[o + min(j, sp - 1) for j in range(s)] for o, sp in zip(offsets, spans)]
+        p = probs[torch.tensor(index, device=dev)]  # [N, S, V]
     padded = torch.tensor([d + [0] * (s - 1 - len(d)) for d in drafts], dtype=torch.long, device=dev)
     _, picks = accept_speculative(
         p,

@@ -41,9 +41,9 @@ class VerifyStep:
         ]
         drafting = [i for i, it in enumerate(items) if it.span > 1]  # span 1: a plain row, no draft
         drafts: list[list[int]] = [[] for _ in items]
-        q = self._sampled_drafts(plan, items, drafting, drafts) if drafting else None
-        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting and q is None else None
-        if drafting and launched is None and q is None:
+        sampled = self._sampled_drafts(plan, items, drafting, drafts) if drafting else None
+        launched = launch_drafts(self.proposer, [items[i] for i in drafting]) if drafting and not sampled else None
+        if drafting and launched is None and sampled is None:
             for i, d in zip(drafting, self.proposer.propose([items[i] for i in drafting])):
                 drafts[i] = d
             self._sync()
@@ -67,7 +67,7 @@ class VerifyStep:
         else:  # no verify graph fits: the eager forward, on the real drafts
             tokens = [[r.output_ids[-1]] + d for r, d in zip(plan.requests, drafts)]
             a, _, hidden = self._run(tokens, view, [True] * len(view), [range(s) for _, _, s in view], [0] * len(view))
-        self._sample_picks(plan, view, a, hidden, drafts, q)
+        self._sample_picks(plan, view, a, hidden, drafts, sampled)
         if graphed is None:
             self._sync()
         self.timings["sync_wait_s"] += getattr(self.proposer, "take_sync_wait", lambda: 0.0)()
@@ -88,10 +88,10 @@ class VerifyStep:
 
     def _sampled_drafts(
         self, plan: VerifyPlan, items: list[DraftItem], drafting: list[int], drafts: list[list[int]]
-    ) -> torch.Tensor | None:
+    ) -> tuple[list[int], torch.Tensor] | None:
         """When a drafting request samples (with sampled drafts on), one eager draft forward for every drafting
         request: the greedy ones take its argmax, the sampling ones draw from its processed distribution.
-        Fills `drafts`; returns q [len(drafting), B-1, V] (the greedy requests' rows unused), or None when no
+        Fills `drafts`; returns (the indices of the requests that drew, their q [n, B-1, V]), or None when no
         request draws its drafts (then the drafts come from propose / the draft graph, as at temperature 0)."""
         assert self.proposer is not None
         logits_of = getattr(self.proposer, "propose_logits", None)
@@ -112,9 +112,7 @@ class VerifyStep:
         for i, d in zip(chosen, drawn):
             drafts[i] = d
         self._sync()
-        full = torch.zeros(len(items), *q.shape[1:], dtype=q.dtype, device=q.device)  # a row per request
-        full[torch.tensor(chosen, device=q.device)] = q
-        return full
+        return chosen, q
 
     def _sample_picks(
         self,
@@ -123,13 +121,20 @@ class VerifyStep:
         picks: list[list[int]],
         hidden: torch.Tensor,
         drafts: list[list[int]],
-        q: torch.Tensor | None,
+        sampled: tuple[list[int], torch.Tensor] | None,
     ) -> None:
         """Replace each sampling request's picks with speculative sampling's (hidden [all rows, H], request
-        order); greedy requests keep their argmax."""
+        order; `sampled`: _sampled_drafts' result); greedy requests keep their argmax."""
         drawn = [i for i, r in enumerate(plan.requests) if r.params.sampled]
         if not drawn:
             return
+        q = None
+        if sampled is not None:  # q of every drawing request; one at span 1 (no drafts) gets zero rows
+            chosen, q = sampled
+            if chosen != drawn:
+                full = q.new_zeros(len(drawn), *q.shape[1:])
+                full[torch.tensor([drawn.index(i) for i in chosen], device=q.device)] = q
+                q = full
         offsets = [0]
         for _, _, span in view:
             offsets.append(offsets[-1] + span)
@@ -140,7 +145,7 @@ class VerifyStep:
             [view[i][2] for i in drawn],
             [hidden[offsets[i] : offsets[i + 1]] for i in drawn],
             [drafts[i] for i in drawn],
-            None if q is None else q[torch.tensor(drawn, device=q.device)],
+            q,
         )
         for i, p in zip(drawn, new):
             picks[i] = p
