@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from refengine.attention.workspace import device_sm_count, graph_float_workspace_bytes
 from refengine.config import DFlashConfig, EngineConfig, ModelConfig, read_config_json
 from refengine.errors import UnsupportedConfigError
 from refengine.kv.pool import KvPool, blocks_for
@@ -68,10 +69,15 @@ def build_graphs(
     taps = proposer.capture_layers if proposer is not None else ()
     span = proposer.block_size if proposer is not None else None
     rows = store.rows if store is not None else None
+    lane = proposer if isinstance(proposer, DFlashLane) and store is not None else None
+    workspace = 0  # FlashInfer's float workspace, shared by every graph wrapper (the planner bills the same)
+    if config.backend_name == "flashinfer":
+        models = [target.cfg] + ([lane.drafter.mcfg] if lane is not None else [])
+        workspace = graph_float_workspace_bytes(config.max_num_seqs, span or 1, models, device_sm_count(target.device))
     draft = None
-    if isinstance(proposer, DFlashLane) and store is not None:
-        graph = build_draft_graph(proposer.drafter, proposer.pool, config, capturer, rows)
+    if lane is not None and store is not None:
+        graph = build_draft_graph(lane.drafter, lane.pool, config, capturer, rows, workspace)
         catch_up = CatchUpGraphs(graph.stack, capturer, store.pool.dummy_slot)
-        draft = DraftGraphs(graph, catch_up, proposer.pool.dummy_slot, store.pool.dummy_slot)
-        proposer.executor = draft
-    return build_target_graphs(target, pool, config, capturer, taps, span, rows), draft
+        draft = DraftGraphs(graph, catch_up, lane.pool.dummy_slot, store.pool.dummy_slot)
+        lane.executor = draft
+    return build_target_graphs(target, pool, config, capturer, taps, span, rows, workspace_bytes=workspace), draft

@@ -6,9 +6,8 @@ from __future__ import annotations
 import torch
 
 from refengine.attention.base import AttnBatch
+from refengine.attention.workspace import device_sm_count, flashinfer_float_workspace_bytes
 from refengine.errors import UnsupportedConfigError
-
-WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 class FlashInferPagedAttention:
@@ -22,7 +21,9 @@ class FlashInferPagedAttention:
         self.pool = pool
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         device = pool.k[0].device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # an eager plan splits the KV over at most 2 CTAs per SM, whatever its rows (attention/workspace.py)
+        nbytes = flashinfer_float_workspace_bytes(num_heads, num_kv_heads, head_dim, device_sm_count(device))
+        self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2")
 
     def prepare(self, batch: AttnBatch) -> None:

@@ -5,6 +5,8 @@ requests on the pool's dummy pages), planned on the host before every replay.
   buffers. plan() rewrites those buffers and the wrapper's work lists; the captured kernel reads them at run
   time, so a graph captured at one KV length replays correctly at any other. Its first plan (FlashInfer's own)
   fixes the most query rows it may ever see: the shape's full row count; later plans are lean (lean_plan.py).
+  The wrappers of a device share one float workspace, sized by the engine for its largest plan
+  (attention/workspace.py); a first plan past it is refused with the numbers before FlashInfer's overflow.
 - Torch (any device): the reference backend re-prepared each step (the CPU tests of the graph runner).
 """
 
@@ -17,9 +19,9 @@ import torch
 from refengine.attention.base import AttnBatch
 from refengine.attention.lean_plan import PlanArrays, lean_plan, lean_plan_supported
 from refengine.attention.torch_backend import TorchPagedAttention
+from refengine.attention.workspace import device_sm_count, flashinfer_float_workspace_bytes
+from refengine.errors import UnsupportedConfigError
 from refengine.kv.pool import KvPool
-
-FLOAT_WORKSPACE_BYTES = 256 * 1024 * 1024  # split-KV partial outputs; shared by a device's wrappers of a kind
 
 
 def page_entries_capacity(pool: KvPool, batch: int) -> int:
@@ -52,14 +54,19 @@ class FlashInferGraphAttention:
     skip_replan = False  # tests only: keep the first plan for ever (a stale plan, the bug class it guards)
     use_lean_plan = True  # lean plans after the first, where lean_plan_supported (read once, at the first plan)
 
-    def __init__(self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int):
-        """Every wrapper of a device shares one float workspace: the engine's graphs replay one at a time."""
+    def __init__(
+        self, pool: KvPool, batch: int, num_heads: int, num_kv_heads: int, head_dim: int, workspace_bytes: int
+    ):
+        """Every wrapper of a device shares one float workspace of at least `workspace_bytes` (the engine's
+        graph_float_workspace_bytes: the same for all its wrappers, so one allocation): the engine's graphs replay
+        one at a time. A smaller one left by an earlier engine is replaced (its wrappers keep theirs)."""
         import flashinfer  # lazily: CPU installs never need it
 
         dev = pool.k[0].device
         ws = self._workspaces.get(dev)
-        if ws is None:
-            ws = self._workspaces[dev] = torch.empty(FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        if ws is None or ws.numel() < workspace_bytes:
+            ws = self._workspaces[dev] = torch.empty(workspace_bytes, dtype=torch.uint8, device=dev)
+        self._num_sms, self._workspace_bytes = device_sm_count(dev), ws.numel()
         pages = page_entries_capacity(pool, batch)
         self.pool, self.heads = pool, (num_heads, num_kv_heads, head_dim)
         self._indptr = torch.zeros(batch + 1, dtype=torch.int32, device=dev)
@@ -109,6 +116,8 @@ class FlashInferGraphAttention:
             arrays = PlanArrays(h[0, : b + 1], h[1, : b + 1], h[2, :b], h[3, :b], staged, rows, max_q, max_kv)
             lean_plan(self._wrapper, arrays, self.heads, page, batch.causal)
             return
+        if first:
+            self._check_workspace(sum(batch.q_lens), b)
         dtype = self.pool.k[0].dtype
         self._wrapper.plan(
             h[0, : b + 1],
@@ -124,6 +133,16 @@ class FlashInferGraphAttention:
         )
         if first:  # the plan that fixed the graph's most rows: lean from here on, where supported
             self._lean = self.use_lean_plan and lean_plan_supported(self._wrapper)
+
+    def _check_workspace(self, rows: int, batch: int) -> None:
+        """The first plan fixes the rows every later plan is padded to: refuse one the workspace cannot hold."""
+        need = flashinfer_float_workspace_bytes(*self.heads, self._num_sms, graph_rows=rows, graph_batch=batch)
+        have = self._workspace_bytes
+        if need > have:
+            raise UnsupportedConfigError(
+                f"a graph wrapper of {batch} requests x {rows} rows at {self.heads} heads may need {need:,} bytes "
+                f"of FlashInfer float workspace; it has {have:,} (size it with graph_float_workspace_bytes)"
+            )
 
     def run(self, layer: int, q: torch.Tensor, out: torch.Tensor) -> None:
         self._wrapper.run(q, (self.pool.k[layer], self.pool.v[layer]), out=out)

@@ -10,7 +10,11 @@ import torch
 
 from refengine.attention import make_backend
 from refengine.attention.base import AttnBatch
-from refengine.attention.graph_attention import FLOAT_WORKSPACE_BYTES
+from refengine.attention.workspace import (
+    device_sm_count,
+    flashinfer_float_workspace_bytes,
+    graph_float_workspace_bytes,
+)
 from refengine.config import DFlashConfig, EngineConfig
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.memory.device import profile_activation_peak, read_device_memory
@@ -84,7 +88,8 @@ FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # each graph-mode wrapper's own device
 def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None, max_context: int) -> int:
     """What the CUDA graphs keep for the engine's life: the private pool holding the temporaries of the
     largest captured step (profiled as an eager forward of that many rows: the [rows, vocab] logits
-    dominate), every bucket's persistent buffers, and one FlashInfer int workspace per graph-mode wrapper.
+    dominate), every bucket's persistent buffers, one FlashInfer int workspace per graph-mode wrapper and the
+    float workspace they share (sized for the largest bucket's verify and draft plans, as build_graphs does).
     The drafter graph's temporaries are the lane's batch scratch, and its catch-up graphs' (buffers and
     temporaries of at most 1024 rows) its context flush scratch: both already in the DFlash reservation."""
     from refengine.runner.shapes import batch_buckets, row_caps
@@ -97,12 +102,25 @@ def graph_pool_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlash
     verify_rows = sum(row_caps(span)) if draft_cfg is not None else 0  # per request, over the verify shapes
     rows = sum(buckets) * (1 + verify_rows)  # decode + verify shapes
     wrappers = len(buckets) * (1 + 2 * (draft_cfg is not None))  # decode, verify (shared by caps), draft
-    static = rows * per_row + wrappers * FLASHINFER_INT_WORKSPACE_BYTES + FLOAT_WORKSPACE_BYTES
+    static = rows * per_row
+    if config.backend_name == "flashinfer":
+        models = [c] + ([draft_cfg.model] if draft_cfg is not None else [])
+        workspace = graph_float_workspace_bytes(config.max_num_seqs, span, models, device_sm_count(target.device))
+        static += wrappers * FLASHINFER_INT_WORKSPACE_BYTES + workspace
     if draft_cfg is not None:
         d = draft_cfg.model
         static += sum(buckets) * span * (b * (2 * d.hidden_size + 2 * d.q_dim + d.kv_dim) + 4 * 8)
     capture = draft_cfg.target_layer_ids if draft_cfg is not None else ()
     return static + profile_step(target, config, capture, config.max_num_seqs * span, max_context)
+
+
+def lane_workspace_bytes(target: Qwen3Model, config: EngineConfig, draft_cfg: DFlashConfig | None) -> int:
+    """The drafter lane's eager FlashInfer wrapper's float workspace, held for the engine's life in every graph
+    mode (the target's eager one is built inside the profiled step, so the activation peak holds it)."""
+    if draft_cfg is None or config.backend_name != "flashinfer":
+        return 0
+    m = draft_cfg.model
+    return flashinfer_float_workspace_bytes(m.num_heads, m.num_kv_heads, m.head_dim, device_sm_count(target.device))
 
 
 def plan_device_pool(
@@ -132,7 +150,7 @@ def plan_device_pool(
         target_config=target.cfg,
         gpu_memory_utilization=config.gpu_memory_utilization,
         reservation=reservation,
-        activation_peak_bytes=activation + graphs,
+        activation_peak_bytes=activation + graphs + lane_workspace_bytes(target, config, draft_cfg),
         graph_pool_bytes=graphs,
         page_size=config.page_size,
         dtype_bytes=dtype_bytes,

@@ -19,9 +19,13 @@ from refengine.runner.graphs import GraphRunner
 from refengine.runner.shapes import row_caps
 
 
-def _attention_factory(config: EngineConfig, pool: KvPool, cfg: ModelConfig) -> Callable[[int], object]:
+def _attention_factory(
+    config: EngineConfig, pool: KvPool, cfg: ModelConfig, workspace_bytes: int
+) -> Callable[[int], object]:
     if config.backend_name == "flashinfer":
-        return lambda bucket: FlashInferGraphAttention(pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return lambda bucket: FlashInferGraphAttention(
+            pool, bucket, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, workspace_bytes
+        )
     return lambda bucket: TorchGraphAttention(pool)
 
 
@@ -39,10 +43,13 @@ def build_target_graphs(
     verify_span: int | None,
     feature_store: torch.Tensor | None = None,
     capture_shape_rule: bool = True,
+    workspace_bytes: int = 0,
 ) -> dict[str, GraphRunner]:
     """'decode' (one row per request) and, with a proposer, 'verify' (up to verify_span rows per request, in
     shapes of 2, 4, ..., verify_span rows per request: see graphs.row_caps). Every step of either writes its
-    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py)."""
+    rows' tap features into `feature_store` [slots, F*H] at their slots (spec_decode/feature_store.py).
+    `workspace_bytes`: FlashInfer's shared float workspace (attention/workspace.py graph_float_workspace_bytes).
+    """
     stack = SegmentedStack(
         target.cfg,
         [merge_layer(w) for w in target.layers],
@@ -55,7 +62,7 @@ def build_target_graphs(
         tap_layers,
         feature_store=feature_store,
     )
-    make = _attention_factory(config, pool, target.cfg)
+    make = _attention_factory(config, pool, target.cfg, workspace_bytes)
     kw = dict(
         mode=config.graph_mode_name,
         max_batch=config.max_num_seqs,
@@ -76,9 +83,11 @@ def build_draft_graph(
     config: EngineConfig,
     capturer: Capturer,
     feature_store: torch.Tensor | None = None,
+    workspace_bytes: int = 0,
 ) -> GraphRunner:
     """The drafter's block forward; its context rows are gathered from `feature_store` inside the graph. Its
-    score caps (draft_score_caps, graphs.py): a step whose spans are all <= 4 scores 3 rows a block, not 15."""
+    score caps (draft_score_caps, graphs.py): a step whose spans are all <= 4 scores 3 rows a block, not 15.
+    `workspace_bytes` as for build_target_graphs."""
     m = drafter.mcfg
     stack = SegmentedStack(
         m,
@@ -94,7 +103,7 @@ def build_draft_graph(
     )
     return GraphRunner(
         stack,
-        _attention_factory(config, pool, m),
+        _attention_factory(config, pool, m, workspace_bytes),
         mode=config.graph_mode_name,
         span=drafter.cfg.block_size,
         max_batch=config.max_num_seqs,

@@ -20,6 +20,7 @@ from refengine.attention import graph_attention
 from refengine.attention import lean_plan as lean_module
 from refengine.attention.base import AttnBatch
 from refengine.attention.graph_attention import FlashInferGraphAttention
+from refengine.attention.workspace import device_sm_count, flashinfer_float_workspace_bytes
 from refengine.kv.pool import KvPool
 
 pytestmark = pytest.mark.gpu
@@ -54,12 +55,20 @@ def _batch(rng: random.Random, bucket: int, causal: bool) -> AttnBatch:
     return AttnBatch(q_lens, kv_lens, tables, torch.empty(0), torch.empty(0), causal=causal)
 
 
+def _attention(pool: KvPool, bucket: int) -> FlashInferGraphAttention:
+    """A graph wrapper whose workspace holds its bucket's largest plan (bucket x SPAN rows)."""
+    ws = flashinfer_float_workspace_bytes(
+        HEADS, KV_HEADS, DIM, device_sm_count("cuda"), graph_rows=bucket * SPAN, graph_batch=bucket
+    )
+    return FlashInferGraphAttention(pool, bucket, HEADS, KV_HEADS, DIM, ws)
+
+
 def _pair(pool: KvPool, bucket: int, causal: bool):
     """A lean and a full wrapper, each first planned the way graphs.py does: every row of the bucket's largest
     shape on the dummy page."""
     pair = []
     for lean in (True, False):
-        att = FlashInferGraphAttention(pool, bucket, HEADS, KV_HEADS, DIM)
+        att = _attention(pool, bucket)
         att.use_lean_plan = lean
         att._wrapper._int_workspace_buffer.zero_()  # allocated uninitialised: the bytes no plan writes must match
         att._wrapper._pin_memory_int_workspace_buffer.zero_()
@@ -130,7 +139,7 @@ def test_lean_plans_equal_full_plans(bucket, causal):
 def test_an_unknown_flashinfer_version_keeps_the_full_plan(monkeypatch):
     monkeypatch.setattr(lean_module, "LEAN_PLAN_VERSIONS", ())
     pool = _pool()
-    att = FlashInferGraphAttention(pool, 4, HEADS, KV_HEADS, DIM)
+    att = _attention(pool, 4)
     rows = [SPAN] * 4
     att.plan(AttnBatch(rows, rows, [[BLOCKS]] * 4, torch.empty(0), torch.empty(0), causal=True))
     assert not att._lean
