@@ -177,13 +177,16 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
             return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen
 
-        texts = [await off(detok.decode, ids) if echo else "" for ids in prep.prompts]
-        streams: list[Stream | None] = [None] * len(prep.prompts)
+        # choice i * n + j is prompt i's j-th (OpenAI's order); each has its own stream
+        prompts = [ids for ids in prep.prompts for _ in range(prep.n)]
+        texts = [await off(detok.decode, ids) if echo else "" for ids in prompts]
+        streams: list[Stream | None] = [None] * len(prompts)
         if prep.max_tokens > 0:
-            loop.reserve(len(prep.prompts))  # then every submit at once: no await in between
-            streams = [loop.submit(ids, prep.params, reserved=True) for ids in prep.prompts]
+            loop.reserve(len(prompts))  # then every submit at once: no await in between
+            params = prep.choice_params() * len(prep.prompts)
+            streams = [loop.submit(ids, sp, reserved=True) for ids, sp in zip(prompts, params)]
         try:
-            results = await asyncio.gather(*[one(i, *x) for i, x in enumerate(zip(prep.prompts, texts, streams))])
+            results = await asyncio.gather(*[one(i, *x) for i, x in enumerate(zip(prompts, texts, streams))])
         except BaseException:
             for s in streams:
                 if s is not None:
@@ -201,8 +204,8 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
         def head(obj: str, choices: list, **extra: Any) -> dict:
             return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
 
-        stream = loop.submit(ids, prep.params)
-        if prep.stream:
+        if prep.stream:  # n = 1 (checks.py)
+            stream = loop.submit(ids, prep.params)
             first = await first_update(loop, stream, http)
             started = [False]
 
@@ -218,15 +221,24 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                 loop, detok, stream, first, prep, http, chunk, lambda u: head("chat.completion.chunk", [], usage=u)
             )
 
-        c = await run_one(loop, detok, stream, prep, http)
-        kept = c.state.kept_ids
-        lp = chat_logprobs(detok, kept, c.rows, n_lp) if n_lp is not None else None
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.state.text},
-            "logprobs": lp,
-            "finish_reason": c.finish or "abort",
-        }
-        return JSONResponse(head("chat.completion", [choice], usage=usage(len(ids), len(kept))))
+        loop.reserve(prep.n)
+        streams = [loop.submit(ids, sp, reserved=True) for sp in prep.choice_params()]
+        try:
+            done = await asyncio.gather(*[run_one(loop, detok, s, prep, http) for s in streams])
+        except BaseException:
+            for s in streams:
+                loop.abort(s, "another choice of the request failed")
+            raise
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": c.state.text},
+                "logprobs": chat_logprobs(detok, c.state.kept_ids, c.rows, n_lp) if n_lp is not None else None,
+                "finish_reason": c.finish or "abort",
+            }
+            for j, c in enumerate(done)
+        ]
+        n_gen = sum(len(c.state.kept_ids) for c in done)
+        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen)))
 
     return Guard(app, cfg)

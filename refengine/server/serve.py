@@ -153,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw: dict[str, Any] = {"speculation": args.speculation}
+    kw: dict[str, Any] = {"speculation": args.speculation, "draft_sampling": args.draft_sampling}
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
@@ -223,6 +223,13 @@ def add_serve_parser(sub) -> None:
         default="fixed",
         help="verify span policy: fixed (the drafter's block every step) or adaptive (chosen per step); "
         "/metrics exports the chosen spans (refengine_spec_span_steps_total)",
+    )
+    s.add_argument(
+        "--draft-sampling",
+        choices=["sampled", "greedy"],
+        default="sampled",
+        help="a request at temperature > 0 drafts from the drafter's processed distribution (sampled) or its "
+        "argmax (greedy); either is lossless",
     )
     s.add_argument("--served-model-name", help="the model id /v1/models reports (default: the checkpoint's)")
     s.add_argument("--log-level", default="info")
