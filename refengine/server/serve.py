@@ -257,7 +257,9 @@ def add_serve_parser(sub) -> None:
         default=d.max_waiting,
         help="requests waiting beyond the running batch before new ones get 429 + Retry-After",
     )
-    s.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts per /v1/completions request")
+    s.add_argument(
+        "--max-prompts", type=int, default=d.max_prompts, help="prompts per /v1/completions request (and prompts x n)"
+    )
     s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     s.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
     s.add_argument(
