@@ -148,8 +148,6 @@ class Checker:
         n = 1 if r.n is None else r.n
         if not 1 <= n <= self.cfg.max_prompts:
             raise bad(f"n={r.n} must be in 1..{self.cfg.max_prompts}", "n")
-        if n > 1 and r.stream:
-            raise bad(f"n={n} with stream=true: streaming sends one choice (use n=1, or stream=false)", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(r, name) not in (None, 0):
                 raise bad(f"{name}={getattr(r, name)}: penalties are not supported (use 0)", name)

@@ -5,7 +5,7 @@ Types are strict: `max_tokens: true` or `stream: "yes"` is a 400 naming the fiel
 for a float field is accepted, as JSON does not tell 1 from 1.0). Unknown fields are accepted and ignored
 (extra="allow"): clients (the openai package, lm-eval) send fields that do not change the output, such as
 `user` or `metadata`. Sampling fields map onto SamplingParams: `temperature` (0..2, 0 = greedy), `top_p`,
-`seed`, vLLM's `top_k` (-1 or 0 = off), and `n` choices per prompt (not streamed). A known field whose
+`seed`, vLLM's `top_k` (-1 or 0 = off), and `n` choices per prompt (choice j seeded seed + j). A known field whose
 value would change the output in a way the engine cannot honour (penalties, a non-empty logit_bias, min_p
 when sampling, best_of other than n, tools, response_format, ...) is a 400 naming it (checks.py)."""
 

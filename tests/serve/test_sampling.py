@@ -6,9 +6,10 @@ gives with the same SamplingParams, and the same on a second call; seeds 7 and 8
 PROMPT at TEMPERATURE over TOKENS tokens they part within the first few tokens; the draws are deterministic,
 so this holds on every run of a given build); temperature > 0 without a seed runs; a streamed answer at
 temperature > 0 with a seed equals the non-streamed one (completions and chat); `n` choices are indexed
-0..n-1 (completions: prompt i's choice j at i * n + j), choice j is the single answer with seed + j, and
-unseeded choices draw their own seeds (at least two of four differ). Out-of-range values are in
-tests/serve/test_validation.py.
+0..n-1 (completions: prompt i's choice j at i * n + j), choice j is the single answer with seed + j, streamed
+choices (interleaved, each chunk naming its index) concatenate per index to the non-streamed ones with the
+same finish reasons and usage, and unseeded choices draw their own seeds (at least two of four differ).
+Out-of-range values are in tests/serve/test_validation.py.
 
 Run: python -m pytest -q tests/serve/test_sampling.py
 """
@@ -103,6 +104,30 @@ def test_n_choices_are_seed_plus_j(spec_server):
     assert [ch.index for ch in res.choices] == [0, 1], res.choices
     got = [ch.message.content for ch in res.choices]
     assert got == [chat(c, seed=7), chat(c, seed=8)], got
+
+
+def test_streamed_n_choices_equal_non_streamed(spec_server):
+    c = client(spec_server)
+    kw = dict(model="tiny-trained", max_tokens=TOKENS, temperature=TEMPERATURE, seed=7, n=3)
+    want = c.completions.create(prompt=PROMPT, **kw)
+    chunks = list(c.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **kw))
+    got, finish = ["", "", ""], [None, None, None]
+    for ch in chunks:
+        for x in ch.choices:
+            got[x.index] += x.text
+            finish[x.index] = x.finish_reason or finish[x.index]
+    assert got == [x.text for x in want.choices], f"streamed n=3 {got} != non-streamed {want.choices}"
+    assert finish == [x.finish_reason for x in want.choices], finish
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens, (chunks[-1].usage, want.usage)
+    res = c.chat.completions.create(messages=MSGS, **kw)
+    chunks = list(c.chat.completions.create(messages=MSGS, stream=True, **kw))
+    got, roles = ["", "", ""], [0, 0, 0]
+    for ch in chunks:
+        for x in ch.choices:
+            got[x.index] += x.delta.content or ""
+            roles[x.index] += x.delta.role == "assistant"
+    assert got == [x.message.content for x in res.choices], f"streamed chat n=3 {got} != {res.choices}"
+    assert roles == [1, 1, 1], f"each choice's first delta carries the role once: {roles}"
 
 
 def test_unseeded_choices_draw_their_own_seeds(spec_server):

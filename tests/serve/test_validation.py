@@ -1,7 +1,7 @@
 """Malformed and unsupported requests get a 4xx in OpenAI's error shape, never a 500 or a silent 200 (issue
 51, items 4, 5, 6, 9): a lone surrogate in a prompt, message or stop string is a 400; an unknown model a 404;
 fields that would change the output (response_format, tools, tool_choice, logit_bias on chat, top_logprobs
-without logprobs, an unknown message role, min_p when sampling, n with stream, ...) a 400 naming them; so is
+without logprobs, an unknown message role, min_p when sampling, ...) a 400 naming them; so is
 a sampling field out of range (temperature outside 0..2 or NaN, top_p outside (0, 1], top_k below -1, a seed
 outside 0..2**63 - 1, n outside 1..max_prompts or prompts x n above it); types are strict (`max_tokens: true`,
 `stream: "yes"` are 400s); unknown routes (404), wrong methods (405) and unparsable bodies (400) use the
@@ -98,7 +98,7 @@ def test_unknown_model_is_404(spec_server):
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
         ("/v1/completions", {"prompt": ["a", "b"], "n": 40}, "n"),
-        ("/v1/chat/completions", {"messages": MSG, "n": 2, "stream": True}, "n"),
+        ("/v1/chat/completions", {"messages": MSG, "n": -1}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ],
 )
