@@ -8,7 +8,9 @@ so this holds on every run of a given build); temperature > 0 without a seed run
 temperature > 0 with a seed equals the non-streamed one (completions and chat); `n` choices are indexed
 0..n-1 (completions: prompt i's choice j at i * n + j), choice j is the single answer with seed + j, streamed
 choices (interleaved, each chunk naming its index) concatenate per index to the non-streamed ones with the
-same finish reasons and usage, and unseeded choices draw their own seeds (at least two of four differ).
+same finish reasons and usage (with a stop string too, the stopped choices' KV freed), a client leaving a
+streamed n=2 mid-stream aborts both choices, and unseeded choices draw their own seeds (at least two of four
+differ).
 Out-of-range values are in tests/serve/test_validation.py.
 
 Run: python -m pytest -q tests/serve/test_sampling.py
@@ -16,11 +18,14 @@ Run: python -m pytest -q tests/serve/test_sampling.py
 
 from __future__ import annotations
 
+import http.client
+import json
+
 import pytest
 
 from refengine import SamplingParams
 from tests.adapter import cpu_engine
-from tests.serve.conftest import PAIR, require
+from tests.serve.conftest import PAIR, require, wait_idle
 
 PROMPT = "def fibonacci(n):"
 TEMPERATURE = 0.8
@@ -128,6 +133,32 @@ def test_streamed_n_choices_equal_non_streamed(spec_server):
             roles[x.index] += x.delta.role == "assistant"
     assert got == [x.message.content for x in res.choices], f"streamed chat n=3 {got} != {res.choices}"
     assert roles == [1, 1, 1], f"each choice's first delta carries the role once: {roles}"
+
+
+def test_streamed_n_with_stop_and_disconnect_free_every_choice(spec_server):
+    c = client(spec_server)
+    kw = dict(model="tiny-trained", max_tokens=24, temperature=TEMPERATURE, seed=7, n=3, stop=["\n"])
+    out = c.completions.create(prompt=PROMPT, **kw)
+    want, finish = [x.text for x in out.choices], [x.finish_reason for x in out.choices]
+    assert "stop" in finish, f"no choice reached the stop string, so it is not exercised: {finish} {want}"
+    got = ["", "", ""]
+    for ch in c.completions.create(prompt=PROMPT, stream=True, **kw):
+        for x in ch.choices:
+            got[x.index] += x.text
+    assert got == want, f"streamed n=3 with a stop string {got} != non-streamed {want}"
+    wait_idle(spec_server)  # the choices that hit the stop string were aborted: their KV is freed
+    aborted = spec_server.loop.snapshot["finished"].get("aborted", 0)
+    body = {"prompt": "def main():", "max_tokens": 3000, "temperature": 1.0, "n": 2, "stream": True}
+    conn = http.client.HTTPConnection(spec_server.host, spec_server.port, timeout=TIMEOUT)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()[:300]
+    while not resp.readline().startswith(b"data: "):
+        pass
+    resp.close()
+    conn.close()  # the client goes away mid-stream
+    s = wait_idle(spec_server, timeout=15.0)
+    assert s["finished"].get("aborted", 0) == aborted + 2, f"both choices should be aborted: {s['finished']}"
 
 
 def test_unseeded_choices_draw_their_own_seeds(spec_server):
