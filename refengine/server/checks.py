@@ -125,7 +125,7 @@ class Checker:
         except (RefEngineError, ValueError) as e:
             raise bad(str(e), "prompt") from e
 
-    def sampling(self, r: _Common) -> dict[str, Any]:
+    def sampling_fields(self, r: _Common) -> dict[str, Any]:
         """temperature, top_p, top_k (vLLM's: -1 or 0 = off) and seed as SamplingParams fields, each range
         checked here so that the 400 names the field as the client spelled it."""
         temperature = 0.0 if r.temperature is None else r.temperature
@@ -144,7 +144,7 @@ class Checker:
         return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": r.seed}
 
     def common(self, r: _Common, max_tokens: int, n_logprobs: int | None) -> Prepared:
-        sampling = self.sampling(r)
+        sampling = self.sampling_fields(r)
         n = 1 if r.n is None else r.n
         if not 1 <= n <= self.cfg.max_prompts:
             raise bad(f"n={r.n} must be in 1..{self.cfg.max_prompts}", "n")
