@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from refengine.bench import add_bench_parser
-from refengine.config import SPECULATION_MODES
+from refengine.config import DRAFT_SAMPLINGS, SPECULATION_MODES
 from refengine.defaults import add_model_arguments
 from refengine.errors import RefEngineError
 from refengine.memory.cli import add_memory_parser
@@ -43,7 +43,14 @@ def cmd_generate(args) -> int:
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tok = _load_tokenizer(Path(target))
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)  # fails before any load
+    params = SamplingParams(  # fails before any load
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
     prompt_text = (
         decode_prompt_arg(args.prompt)
         if args.prompt is not None
@@ -57,6 +64,7 @@ def cmd_generate(args) -> int:
             device=device,
             dtype=args.dtype,
             speculation=args.speculation,
+            draft_sampling=args.draft_sampling,
         )
     )
     t0 = time.perf_counter()
@@ -94,6 +102,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """SamplingParams' sampling fields and EngineConfig.draft_sampling (values checked by those classes)."""
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sampled")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (default 1: off)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="the request's random stream: the same seed gives the same text (default: a fresh one each run)",
+    )
+    parser.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLINGS,
+        default="sampled",
+        help="at temperature > 0 the drafter's drafts are sampled from its processed distribution (default) or "
+        "its argmax; either is lossless",
+    )
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are one line on stderr (exit 2), like every other refengine error; --help has the usage."""
 
@@ -104,7 +131,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="refengine", description="Reference engine for DFlash on Qwen3")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="greedy generation (with DFlash when a drafter is given)")
+    g = sub.add_parser("generate", help="generation, greedy or sampled (with DFlash when a drafter is given)")
     add_model_arguments(g)
     g.add_argument("--prompt", help="prompt text (token ids when the checkpoint has no tokenizer)")
     g.add_argument(
@@ -123,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="span policy: fixed (every drafting step a full block) or adaptive (GoodputSpans: spans per step from "
         "measured step costs and acceptance; 1 = plain decode). Outputs are the same either way",
     )
+    add_sampling_arguments(g)
     g.set_defaults(func=cmd_generate)
     add_memory_parser(sub)
     add_bench_parser(sub)

@@ -24,9 +24,10 @@ from starlette.exceptions import HTTPException
 
 import refengine
 from refengine.errors import RefEngineError
+from refengine.request import SamplingParams
 from refengine.server.checks import Checker, bad, validate
 from refengine.server.config import ServerConfig
-from refengine.server.generate import ClientGone, first_update, run_one, stream_response, usage
+from refengine.server.generate import ClientGone, first_updates, run_one, stream_response, usage
 from refengine.server.guard import Guard, read_body
 from refengine.server.loop import EngineLoop, Stream
 from refengine.server.metrics import CONTENT_TYPE, render_metrics
@@ -54,6 +55,11 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
 
     async def off(fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    def submit_choices(prompts: list[list[int]], params: list[SamplingParams]) -> list[Stream]:
+        """One stream per choice (its prompt and SamplingParams): all submitted, or none (a 429)."""
+        loop.reserve(len(prompts))  # then every submit at once: no await in between
+        return [loop.submit(ids, sp, reserved=True) for ids, sp in zip(prompts, params)]
 
     def render(messages: list[ChatMessage], add_generation_prompt: bool) -> str:
         try:
@@ -141,15 +147,15 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
             obj = "text_completion"
             return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
 
-        if prep.stream:
-            stream = loop.submit(prep.prompts[0], prep.params)
-            first = await first_update(loop, stream, http)
+        if prep.stream:  # one prompt (checks.py), its n choices
+            streams = submit_choices([prep.prompts[0]] * prep.n, prep.choice_params())
+            firsts = await first_updates(loop, streams, http)
 
-            def chunk(text: str, ids: list[int], rows: list, offs: list[int], finish: str | None) -> dict:
+            def chunk(i: int, text: str, ids: list[int], rows: list, offs: list[int], finish: str | None) -> dict:
                 lp = completion_logprobs(detok, ids, rows, n_lp, offs) if n_lp is not None else None
-                return head([{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}])
+                return head([{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
 
-            return stream_response(loop, detok, stream, first, prep, http, chunk, lambda u: head([], usage=u))
+            return stream_response(loop, detok, streams, firsts, prep, http, chunk, lambda u: head([], usage=u))
 
         async def one(i: int, ids: list[int], prompt_text: str, stream: Stream | None) -> tuple[dict, int]:
             text, lp, finish, n_gen = "", None, "length", 0
@@ -177,15 +183,16 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
             return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen
 
-        texts = [await off(detok.decode, ids) if echo else "" for ids in prep.prompts]
-        streams: list[Stream | None] = [None] * len(prep.prompts)
+        # choice i * n + j is prompt i's j-th (OpenAI's order); each has its own stream
+        prompts = [ids for ids in prep.prompts for _ in range(prep.n)]
+        texts = [await off(detok.decode, ids) if echo else "" for ids in prompts]
+        choice_streams: list[Stream | None] = [None] * len(prompts)
         if prep.max_tokens > 0:
-            loop.reserve(len(prep.prompts))  # then every submit at once: no await in between
-            streams = [loop.submit(ids, prep.params, reserved=True) for ids in prep.prompts]
+            choice_streams = list(submit_choices(prompts, prep.choice_params() * len(prep.prompts)))
         try:
-            results = await asyncio.gather(*[one(i, *x) for i, x in enumerate(zip(prep.prompts, texts, streams))])
+            results = await asyncio.gather(*[one(i, *x) for i, x in enumerate(zip(prompts, texts, choice_streams))])
         except BaseException:
-            for s in streams:
+            for s in choice_streams:
                 if s is not None:
                     loop.abort(s, "another prompt of the request failed")
             raise
@@ -201,32 +208,39 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
         def head(obj: str, choices: list, **extra: Any) -> dict:
             return {"id": cid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra}
 
-        stream = loop.submit(ids, prep.params)
+        streams = submit_choices([ids] * prep.n, prep.choice_params())
         if prep.stream:
-            first = await first_update(loop, stream, http)
-            started = [False]
+            firsts = await first_updates(loop, streams, http)
+            started = [False] * len(streams)
 
-            def chunk(piece: str, tids: list[int], rows: list, _offs: list[int], finish: str | None) -> dict:
+            def chunk(i: int, piece: str, tids: list[int], rows: list, _offs: list[int], finish: str | None) -> dict:
                 delta: dict[str, Any] = {"content": piece}
-                if not started[0]:
-                    delta["role"], started[0] = "assistant", True
+                if not started[i]:
+                    delta["role"], started[i] = "assistant", True
                 lp = chat_logprobs(detok, tids, rows, n_lp) if n_lp is not None else None
-                choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
                 return head("chat.completion.chunk", [choice])
 
             return stream_response(
-                loop, detok, stream, first, prep, http, chunk, lambda u: head("chat.completion.chunk", [], usage=u)
+                loop, detok, streams, firsts, prep, http, chunk, lambda u: head("chat.completion.chunk", [], usage=u)
             )
 
-        c = await run_one(loop, detok, stream, prep, http)
-        kept = c.state.kept_ids
-        lp = chat_logprobs(detok, kept, c.rows, n_lp) if n_lp is not None else None
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": c.state.text},
-            "logprobs": lp,
-            "finish_reason": c.finish or "abort",
-        }
-        return JSONResponse(head("chat.completion", [choice], usage=usage(len(ids), len(kept))))
+        try:
+            done = await asyncio.gather(*[run_one(loop, detok, s, prep, http) for s in streams])
+        except BaseException:
+            for s in streams:
+                loop.abort(s, "another choice of the request failed")
+            raise
+        choices = [
+            {
+                "index": j,
+                "message": {"role": "assistant", "content": c.state.text},
+                "logprobs": chat_logprobs(detok, c.state.kept_ids, c.rows, n_lp) if n_lp is not None else None,
+                "finish_reason": c.finish or "abort",
+            }
+            for j, c in enumerate(done)
+        ]
+        n_gen = sum(len(c.state.kept_ids) for c in done)
+        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen)))
 
     return Guard(app, cfg)

@@ -8,7 +8,7 @@ rejects an over-long text from its length alone when it can (Detok.encode)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -29,6 +29,8 @@ from refengine.server.text import Detok, PromptTooLong
 from refengine.validation import validate_prompt
 
 M = TypeVar("M", bound=BaseModel)
+MAX_API_TEMPERATURE = 2.0  # OpenAI's range is 0..2 (the engine takes up to request.MAX_TEMPERATURE)
+SEED_SPAN = 2**63  # seeds are 0..2**63 - 1 (SamplingParams); choice j of n takes (seed + j) mod SEED_SPAN
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -90,6 +92,15 @@ class Prepared:
     stream: bool
     include_usage: bool
     model: str
+    n: int = 1  # choices per prompt
+
+    def choice_params(self) -> list[SamplingParams]:
+        """The n choices' SamplingParams: seeds seed, seed + 1, ... when seeded (so each choice is
+        reproducible and they differ), else all None (each draws its own at admission)."""
+        seed = self.params.seed
+        if seed is None:
+            return [self.params] * self.n
+        return [replace(self.params, seed=(seed + j) % SEED_SPAN) for j in range(self.n)]
 
 
 class Checker:
@@ -114,13 +125,29 @@ class Checker:
         except (RefEngineError, ValueError) as e:
             raise bad(str(e), "prompt") from e
 
-    def common(self, r: _Common, max_tokens: int, n_logprobs: int | None) -> Prepared:
-        if r.temperature not in (None, 0):
-            raise bad(f"temperature={r.temperature}: only greedy decoding (temperature 0) is supported", "temperature")
-        if r.top_p is not None and not 0 < r.top_p <= 1:
+    def sampling_fields(self, r: _Common) -> dict[str, Any]:
+        """temperature, top_p, top_k (vLLM's: -1 or 0 = off) and seed as SamplingParams fields, each range
+        checked here so that the 400 names the field as the client spelled it."""
+        temperature = 0.0 if r.temperature is None else r.temperature
+        if not 0 <= temperature <= MAX_API_TEMPERATURE:  # written so that NaN fails too
+            raise bad(f"temperature={r.temperature} must be in [0, {MAX_API_TEMPERATURE:g}]", "temperature")
+        top_p = 1.0 if r.top_p is None else r.top_p
+        if not 0 < top_p <= 1:
             raise bad(f"top_p={r.top_p} must be in (0, 1]", "top_p")
-        if r.n not in (None, 1):
-            raise bad(f"n={r.n}: only n=1 is supported (greedy gives one answer)", "n")
+        top_k = 0 if r.top_k in (None, -1) else r.top_k
+        if top_k < 0:
+            raise bad(f"top_k={r.top_k} must be >= 1, or -1 / 0 for off", "top_k")
+        if r.seed is not None and not 0 <= r.seed < SEED_SPAN:
+            raise bad(f"seed={r.seed} must be in 0..2**63 - 1", "seed")
+        if temperature > 0 and r.min_p not in (None, 0):  # under greedy min_p never removes the argmax
+            raise bad(f"min_p={r.min_p}: not supported when sampling (use 0)", "min_p")
+        return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": r.seed}
+
+    def common(self, r: _Common, max_tokens: int, n_logprobs: int | None) -> Prepared:
+        sampling = self.sampling_fields(r)
+        n = 1 if r.n is None else r.n
+        if not 1 <= n <= self.cfg.max_prompts:
+            raise bad(f"n={r.n} must be in 1..{self.cfg.max_prompts}", "n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(r, name) not in (None, 0):
                 raise bad(f"{name}={getattr(r, name)}: penalties are not supported (use 0)", name)
@@ -155,6 +182,7 @@ class Checker:
                 max_tokens=max_tokens,
                 logprobs=0 if n_logprobs is None else max(1, n_logprobs),
                 ignore_eos=ignore_eos or min_tokens > 0,
+                **sampling,
             )
         except RefEngineError as e:
             raise bad(str(e), "max_tokens") from e
@@ -169,6 +197,7 @@ class Checker:
             bool(r.stream),
             bool(r.stream_options and r.stream_options.include_usage),
             self.model_of(r),
+            n,
         )
 
     def completion(self, body: bytes) -> tuple[CompletionRequest, Prepared]:
@@ -179,8 +208,8 @@ class Checker:
         if isinstance(p, list) and len(p) > max(self.cfg.max_prompts, self.max_context):
             raise bad(f"the prompt list has {len(p)} entries: more than the context", "prompt")
         r = validate(CompletionRequest, obj)
-        if r.best_of not in (None, 1):
-            raise bad(f"best_of={r.best_of}: only best_of=1 is supported", "best_of")
+        if r.best_of not in (None, r.n or 1):
+            raise bad(f"best_of={r.best_of}: only best_of = n is supported (every choice is returned)", "best_of")
         if r.suffix:
             raise bad("suffix is not supported", "suffix")
         if r.logprobs is not None and not 0 <= r.logprobs <= MAX_LOGPROBS:
@@ -197,6 +226,8 @@ class Checker:
         prompts = self.prompts_of(r.prompt)
         if r.stream and len(prompts) != 1:
             raise bad("stream=true takes one prompt", "prompt")
+        if len(prompts) * prep.n > self.cfg.max_prompts:
+            raise bad(f"{len(prompts)} prompts x n={prep.n} choices: at most {self.cfg.max_prompts}", "n")
         prep.prompts = [self.ids(x) for x in prompts]
         return r, prep
 

@@ -27,9 +27,10 @@ class ServerConfig:
 
     max_request_bytes: a larger body is a 413 before it is read (Content-Length) or as soon as it is.
     max_waiting: requests admitted beyond the engine's running batch (max_num_seqs); past that a new one is a
-        429 with Retry-After (each prompt of a batched completion counts).
-    max_prompts: prompts in one /v1/completions request. max_stop_strings / max_stop_chars: stop strings per
-        request and the length of each (a stop string of length L holds back up to L-1 streamed characters).
+        429 with Retry-After (each prompt and choice of a request counts).
+    max_prompts: prompts in one /v1/completions request; also the most choices (prompts x n) one request makes.
+    max_stop_strings / max_stop_chars: stop strings per request and the length of each (a stop string of
+        length L holds back up to L-1 streamed characters).
     api_key: when set, every path but OPEN_PATHS needs `Authorization: Bearer <key>` (401 otherwise).
     allowed_hosts: Host header names accepted (any port); None: the loopback names when the bind is a loopback
         address (a DNS-rebinding guard), anything otherwise. A Host outside it is a 403.

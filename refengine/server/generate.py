@@ -1,6 +1,7 @@
-"""One choice's generation as the HTTP handlers see it: Updates from the engine loop through a TextState, to
-the end (non-streaming) or as SSE chunks (streaming). Both paths take the same TextState pieces, so a stream
-carries exactly the non-streamed text, tokens and logprobs (with their offsets)."""
+"""Choices' generations as the HTTP handlers see them: each choice's Updates from the engine loop through its
+TextState, to the end (non-streaming, one choice per run_one) or as SSE chunks (streaming, a prompt's choices
+interleaved in one response). Both paths take the same TextState pieces, so a stream carries exactly the
+non-streamed text, tokens and logprobs (with their offsets)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from refengine.server.text import Detok, TextState
 POLL_S = 0.5  # how often a waiting handler checks whether its client is still there
 FINISH = {FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
 
-# chunk(piece, token ids, top-k rows, offsets, finish) -> one SSE event body
-Chunk = Callable[[str, list[int], list[TopK], list[int], "str | None"], dict]
+# chunk(choice index, piece, token ids, top-k rows, offsets, finish) -> one SSE event body
+Chunk = Callable[[int, str, list[int], list[TopK], list[int], "str | None"], dict]
 
 
 class ClientGone(Exception):
@@ -109,47 +110,81 @@ async def first_update(loop: EngineLoop, stream: Stream, http: Request) -> Updat
     raise internal_error("the engine loop ended the request without an update")
 
 
+async def first_updates(loop: EngineLoop, streams: list[Stream], http: Request) -> list[Update]:
+    """Every choice's first Update, before the 200 is sent; when one fails, all are aborted."""
+    firsts = []
+    try:
+        for stream in streams:  # they run together in the engine; awaiting them in turn costs nothing
+            firsts.append(await first_update(loop, stream, http))
+    except BaseException:
+        for stream in streams:
+            loop.abort(stream, "another choice of the request failed")
+        raise
+    return firsts
+
+
 def stream_response(
     loop: EngineLoop,
     detok: Detok,
-    stream: Stream,
-    first: Update,
+    streams: list[Stream],
+    firsts: list[Update],
     prep: Prepared,
     http: Request,
     chunk: Chunk,
     usage_chunk: Callable[[dict], dict],
     base_offset: int = 0,
 ) -> StreamingResponse:
-    """SSE: one event per update that has text or tokens to send (every kept token exactly once, with its
-    top-k row and text offset), the finish reason on the last; the usage chunk when asked; `data: [DONE]`."""
+    """SSE of one prompt's choices, choice i's events (index i) sent as its updates arrive: one event per update
+    that has text or tokens to send (every kept token exactly once, with its top-k row and text offset), the
+    finish reason on each choice's last; the usage chunk (all choices) when asked; `data: [DONE]`."""
 
     async def gen() -> AsyncIterator[str]:
-        choice, done = new_choice(detok, prep), False
-        st = choice.state
+        choices = [new_choice(detok, prep) for _ in streams]
+        merged: asyncio.Queue[tuple[int, Update | Exception]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:  # choice i's updates after its first, into `merged`
+            try:
+                async for upd in updates(streams[i], http):
+                    merged.put_nowait((i, upd))
+            except Exception as e:  # noqa: BLE001 - raised by gen, which reads `merged`
+                merged.put_nowait((i, e))
+
+        for i, first in enumerate(firsts):
+            merged.put_nowait((i, first))
+        pumps = [asyncio.ensure_future(pump(i)) for i, first in enumerate(firsts) if not first.final]
+        left = len(choices)
         try:
-            upd: Update | None = first
-            it = updates(stream, http)
-            while upd is not None:
-                choice.feed(upd)
-                piece, lo, hi = st.take(final=choice.finish is not None)
-                if piece or hi > lo or choice.finish is not None:
-                    ids = st.ids[lo:hi]
-                    rows = choice.rows[lo:hi] if prep.n_logprobs is not None else []
-                    yield sse(chunk(piece, ids, rows, st.offsets(lo, hi, base_offset), choice.finish))
-                if choice.finish is not None:
-                    done = True
-                    break
-                upd = await it.__anext__()
+            while left:
+                i, upd = await merged.get()
+                c = choices[i]
+                if isinstance(upd, Exception):
+                    raise upd
+                if c.finish is not None:
+                    continue  # what a stopped choice's stream sent before its abort landed
+                c.feed(upd)
+                st = c.state
+                piece, lo, hi = st.take(final=c.finish is not None)
+                if piece or hi > lo or c.finish is not None:
+                    rows = c.rows[lo:hi] if prep.n_logprobs is not None else []
+                    yield sse(chunk(i, piece, st.ids[lo:hi], rows, st.offsets(lo, hi, base_offset), c.finish))
+                if c.finish is not None:
+                    left -= 1
+                    if st.stopped:
+                        loop.abort(streams[i], "stop reached")  # its KV is freed while the others run on
             if prep.include_usage:
-                yield sse(usage_chunk(usage(len(stream.prompt_ids), len(st.kept_ids))))
+                n_gen = sum(len(c.state.kept_ids) for c in choices)
+                yield sse(usage_chunk(usage(len(streams[0].prompt_ids), n_gen)))
             yield "data: [DONE]\n\n"
         except ApiError as e:
             yield sse(e.body())
             yield "data: [DONE]\n\n"
         except ClientGone:
-            return  # `done` is False: aborted below
+            return  # the unfinished choices are aborted below
         finally:
-            if not done or st.stopped:
-                loop.abort(stream, "client disconnected" if not done else "stop reached")
+            for p in pumps:
+                p.cancel()
+            for stream, c in zip(streams, choices):
+                if c.finish is None:
+                    loop.abort(stream, "client disconnected")
 
     return StreamingResponse(gen(), media_type="text/event-stream")

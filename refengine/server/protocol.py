@@ -3,10 +3,11 @@ what the engine can honour.
 
 Types are strict: `max_tokens: true` or `stream: "yes"` is a 400 naming the field, not a coercion (an int
 for a float field is accepted, as JSON does not tell 1 from 1.0). Unknown fields are accepted and ignored
-(extra="allow"): clients (the openai package, lm-eval) send fields that mean nothing under greedy decoding,
-such as `seed`, `user` or `metadata`. A known field whose value would change the output in a way the engine
-cannot honour (temperature > 0, n > 1, penalties, a non-empty logit_bias, tools, response_format, ...) is a
-400 naming it (checks.py)."""
+(extra="allow"): clients (the openai package, lm-eval) send fields that do not change the output, such as
+`user` or `metadata`. Sampling fields map onto SamplingParams: `temperature` (0..2, 0 = greedy), `top_p`,
+`seed`, vLLM's `top_k` (-1 or 0 = off), and `n` choices per prompt (choice j seeded seed + j). A known field whose
+value would change the output in a way the engine cannot honour (penalties, a non-empty logit_bias, min_p
+when sampling, best_of other than n, tools, response_format, ...) is a 400 naming it (checks.py)."""
 
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ class _Common(_Strict):
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's; meaningless under greedy decoding
-    min_p: float | None = None  # vLLM's; meaningless under greedy decoding
+    top_k: int | None = None  # vLLM's; -1 or 0: off
+    min_p: float | None = None  # vLLM's; not implemented: only 0 when sampling (greedy never drops the argmax)
     n: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False

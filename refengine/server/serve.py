@@ -153,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw: dict[str, Any] = {"speculation": args.speculation}
+    kw: dict[str, Any] = {"speculation": args.speculation, "draft_sampling": args.draft_sampling}
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
@@ -224,6 +224,13 @@ def add_serve_parser(sub) -> None:
         help="verify span policy: fixed (the drafter's block every step) or adaptive (chosen per step); "
         "/metrics exports the chosen spans (refengine_spec_span_steps_total)",
     )
+    s.add_argument(
+        "--draft-sampling",
+        choices=["sampled", "greedy"],
+        default="sampled",
+        help="a request at temperature > 0 drafts from the drafter's processed distribution (sampled) or its "
+        "argmax (greedy); either is lossless",
+    )
     s.add_argument("--served-model-name", help="the model id /v1/models reports (default: the checkpoint's)")
     s.add_argument("--log-level", default="info")
     from dataclasses import fields
@@ -250,7 +257,9 @@ def add_serve_parser(sub) -> None:
         default=d.max_waiting,
         help="requests waiting beyond the running batch before new ones get 429 + Retry-After",
     )
-    s.add_argument("--max-prompts", type=int, default=d.max_prompts, help="prompts per /v1/completions request")
+    s.add_argument(
+        "--max-prompts", type=int, default=d.max_prompts, help="prompts per /v1/completions request (and prompts x n)"
+    )
     s.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     s.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters per stop string")
     s.add_argument(

@@ -53,9 +53,10 @@ FIELDS = {
     "max_tokens": mostly(pos, small | huge | not_none),
     "max_completion_tokens": mostly(pos, small | not_none),
     "min_tokens": mostly(small),
-    "temperature": mostly(st.sampled_from([0, 0.0, 1.0])),
+    "temperature": mostly(st.sampled_from([0, 0.0, 0.7, 1.0, 2.5])),
     "top_p": mostly(st.floats()),
-    "n": mostly(small),
+    "top_k": mostly(st.integers(-2, 50)),
+    "n": mostly(st.integers(-1, 3)),  # n x prompts engine requests each: kept small for the per-example deadline
     "stop": mostly(text | st.lists(text, max_size=20)),
     "stop_token_ids": mostly(tokens),
     "stream": mostly(st.booleans()),

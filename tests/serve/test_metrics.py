@@ -1,7 +1,8 @@
 """/metrics: the exposition parses with prometheus_client's own parser, label values are escaped (a served
 model name holding a quote, a backslash or a newline round-trips), and the span policy's chosen spans are
 exported (refengine_spec_span_steps_total per span, refengine_spec_policy_errors_total) for
-`--speculation fixed` and `adaptive`; `refengine serve --speculation` reaches EngineConfig.speculation.
+`--speculation fixed` and `adaptive`; `refengine serve --speculation` and `--draft-sampling` reach
+EngineConfig.speculation and EngineConfig.draft_sampling.
 CPU, fp32, the trained tiny pair.
 
 Run: python -m pytest -q tests/serve/test_metrics.py
@@ -86,3 +87,6 @@ def test_serve_speculation_flag():
     assert engine_config(build_parser().parse_args(base)).speculation == "fixed"
     args = build_parser().parse_args([*base, "--speculation", "adaptive"])
     assert engine_config(args).speculation == "adaptive"
+    assert engine_config(args).draft_sampling == "sampled"
+    args = build_parser().parse_args([*base, "--draft-sampling", "greedy"])
+    assert engine_config(args).draft_sampling == "greedy", engine_config(args)

@@ -4,8 +4,9 @@ Checks: completions, chat (the tokenizer's chat template), streaming and logprob
 Engine.score on the same prompts (greedy); the fields the OpenAI client and lm-eval send by default (seed,
 user, n=1, top_p=1, zero penalties, empty logit_bias, stream_options) are accepted; many concurrent clients
 with mixed budgets each get their bs=1 output; a client that disconnects mid-stream frees its KV blocks at
-once; bad requests get 400 with an OpenAI error body (an internal failure 500) and the server keeps serving;
-/v1/models, /health and /metrics. CPU, fp32, the trained tiny pair served in-process on 127.0.0.1.
+once; bad requests (an out-of-range temperature among them) get 400 with an OpenAI error body (an internal
+failure 500) and the server keeps serving; /v1/models, /health and /metrics. CPU, fp32, the trained tiny pair
+served in-process on 127.0.0.1. Sampling (temperature > 0, seed, n) is tests/serve/test_sampling.py.
 
 Run: python -m pytest -q tests/serve/test_openai_client.py
 """
@@ -225,8 +226,8 @@ def test_disconnect_while_waiting_non_stream_frees_kv(spec_server):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"prompt": "x", "temperature": 0.7}, "temperature"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
         ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
@@ -250,7 +251,7 @@ def test_openai_client_sees_400_and_server_keeps_serving(spec_server):
     openai = require("openai")
     c = client(spec_server)
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny-trained", messages=[{"role": "user", "content": "x"}], temperature=1.0)
+        c.chat.completions.create(model="tiny-trained", messages=[{"role": "user", "content": "x"}], temperature=3.0)
     assert "temperature" in str(e.value)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model="tiny-trained", prompt="x", stream=True, max_tokens=100000)

@@ -1,7 +1,9 @@
 """Malformed and unsupported requests get a 4xx in OpenAI's error shape, never a 500 or a silent 200 (issue
 51, items 4, 5, 6, 9): a lone surrogate in a prompt, message or stop string is a 400; an unknown model a 404;
 fields that would change the output (response_format, tools, tool_choice, logit_bias on chat, top_logprobs
-without logprobs, an unknown message role, ...) a 400 naming them; types are strict (`max_tokens: true`,
+without logprobs, an unknown message role, min_p when sampling, ...) a 400 naming them; so is
+a sampling field out of range (temperature outside 0..2 or NaN, top_p outside (0, 1], top_k below -1, a seed
+outside 0..2**63 - 1, n outside 1..max_prompts or prompts x n above it); types are strict (`max_tokens: true`,
 `stream: "yes"` are 400s); unknown routes (404), wrong methods (405) and unparsable bodies (400) use the
 OpenAI shape; a prompt longer than the context names `prompt`, one that fits but not with its max_tokens
 names `max_tokens`. Each rejection is followed by a good request that must succeed. CPU, fp32, the trained
@@ -84,11 +86,31 @@ def test_unknown_model_is_404(spec_server):
         ("/v1/completions", {"prompt": "x", "min_tokens": 50, "max_tokens": 5}, "min_tokens"),
         ("/v1/chat/completions", {"messages": "hello"}, "messages"),
         ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/completions", {"prompt": "x", "temperature": 2.01}, "temperature"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": -0.5}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": MSG, "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+        ("/v1/chat/completions", {"messages": MSG, "top_k": 1.5}, "top_k"),
+        ("/v1/completions", {"prompt": "x", "seed": -1}, "seed"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+        ("/v1/completions", {"prompt": "x", "temperature": 0.7, "min_p": 0.1}, "min_p"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 1000}, "n"),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 40}, "n"),
+        ("/v1/chat/completions", {"messages": MSG, "n": -1}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
     ],
 )
 def test_unsupported_or_mistyped_field_is_400(spec_server, path, body, param):
     status, out, _ = call(spec_server, "POST", path, body)
     assert_openai_error(status, out, 400, param)
+    still_serving(spec_server)
+
+
+def test_nan_temperature_is_400(spec_server):
+    status, out, _ = call(spec_server, "POST", "/v1/completions", b'{"prompt": "x", "temperature": NaN}')
+    assert_openai_error(status, out, 400, "temperature")
     still_serving(spec_server)
 
 

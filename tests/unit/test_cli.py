@@ -2,8 +2,11 @@
 
 Checks that the default command decodes text, prints the JSON stats line last, really accepts drafts
 (tau >= 3 on the issue's `def fibonacci(n):` prompt at the default 256 new tokens; measured 4.72), that
-the DFlash text equals plain greedy text token for token, and that a text prompt for a checkpoint without a
-tokenizer fails with exit code 2 and a message saying what to pass instead.
+the DFlash text equals plain greedy text token for token, that sampling flags reach the engine (`--temperature
+0.7 --seed 1` prints the same text twice, `--seed 2` another text; `--draft-sampling greedy --top-k 20` runs
+its 16 tokens: its text is another valid sample, so only that is checked), that an out-of-range sampling
+flag fails with exit code 2 naming it, and that a text prompt for a checkpoint without
+a tokenizer fails with exit code 2 and a message saying what to pass instead.
 
 Run: python -m pytest tests/unit/test_cli.py -q
 """
@@ -52,3 +55,21 @@ def test_text_prompt_without_tokenizer_is_a_clear_error(capsys):
     _, err = capsys.readouterr()
     assert rc == 2
     assert "no tokenizer.json" in err and "token ids" in err, err
+
+
+def test_generate_sampling_flags_are_seeded(capsys):
+    argv = ["--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0.7"]
+    first, stats, _ = _run(capsys, *argv, "--seed", "1")
+    again, _, _ = _run(capsys, *argv, "--seed", "1")
+    other, _, _ = _run(capsys, *argv, "--seed", "2")
+    assert stats["tokens"] == 16, stats
+    assert first == again, f"--seed 1 gave two texts:\n{first!r}\n{again!r}"
+    assert first != other, f"--seed 1 and --seed 2 gave the same text (drawn tokens are ignored?): {first!r}"
+    greedy_drafts, gstats, _ = _run(capsys, *argv, "--seed", "1", "--draft-sampling", "greedy", "--top-k", "20")
+    assert greedy_drafts.startswith(PROMPT) and gstats["tokens"] == 16, gstats
+
+
+def test_out_of_range_sampling_flag_is_a_clear_error(capsys):
+    rc = main(["generate", "--device", "cpu", "--temperature", "-1"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and "temperature" in err, (rc, err)
