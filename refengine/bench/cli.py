@@ -174,6 +174,13 @@ def add_bench_parser(sub) -> None:
         default=None,
         help=f"--sample-cells: the least adaptive / max(plain, dflash) a cell passes with (default {DEFAULT_BAR})",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (request i seeded i; default 0, greedy): the drafter's own acceptance "
+        "under speculative sampling, no --acceptance-profile",
+    )
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
     p.add_argument(
@@ -240,11 +247,13 @@ def _cmd(args) -> int:
         paired=args.paired,
         share_weights=not args.own_weights,
         arrivals=args.arrivals,
+        temperature=args.temperature,
     )
     print_table(
         res["rows"],
         f"refengine bench: {target} ({device}, {args.prompts} prompts, "
-        f"{args.output_tokens} new tokens, {args.arrivals} arrivals, median of {args.repeats * args.processes})",
+        f"{args.output_tokens} new tokens, {args.arrivals} arrivals, T {args.temperature:g}, "
+        f"median of {args.repeats * args.processes})",
     )
     text = json.dumps(res)
     if args.output:

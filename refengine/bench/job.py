@@ -52,6 +52,7 @@ class ModeJob:
     bandwidth: float  # measured copy bandwidth, bytes/s: the floors
     share_weights: bool = True  # paired: the engines of a process read one copy of the target's weights
     arrivals: str = "wave"  # ARRIVALS
+    temperature: float = 0.0  # > 0: the measured runs sample (request i seeded i)
 
     def cell_prompts(self, c: int, vocab: int) -> tuple[list[list[int]], int | None]:
         """A cell's prompts and how many run at once (None: all, a wave)."""

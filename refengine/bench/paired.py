@@ -98,6 +98,7 @@ def measure_paired(modes: tuple[str, ...], j: ModeJob) -> dict[str, Any]:
                         own_bytes,
                         j.bandwidth,
                         in_flight,
+                        j.temperature,
                     )
                 base = got["plain"]["tok_per_s"]
                 for name, row in got.items():

@@ -59,17 +59,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_once(engine, prompts: list[list[int]], output_tokens: int, in_flight: int | None = None) -> dict[str, Any]:
+def run_once(
+    engine, prompts: list[list[int]], output_tokens: int, in_flight: int | None = None, temperature: float = 0.0
+) -> dict[str, Any]:
     """Submit every prompt together (`in_flight` None: a wave), or keep `in_flight` of them running, the next
     one submitted as one finishes (steady arrivals: ARRIVALS; the first in flight with budgets spread over
     (0, output_tokens], job.steady_budgets); step to completion timing each step; fail on rejection / no
-    tokens."""
+    tokens. `temperature` > 0 samples, request i seeded i (the same draws every run)."""
     device = str(engine.target.device)
     n = len(prompts)
     budgets = [output_tokens] * n if in_flight is None else steady_budgets(n, in_flight, output_tokens)
     t_before, plans_before = dict(engine.runner.timings), Counter(engine.scheduler.plan_counts)
     spans_before = engine.span_stats()
-    queue = [(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(prompts, budgets)]
+    queue = [
+        (p, SamplingParams(max_tokens=b, ignore_eos=True, temperature=temperature, seed=i))
+        for i, (p, b) in enumerate(zip(prompts, budgets))
+    ]
     reqs: list = []
     running: list = []  # steady arrivals: the submitted requests not yet finished
 
@@ -158,8 +163,9 @@ def measure_row(
     own_bytes: int,
     bandwidth: float,
     in_flight: int | None = None,
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
-    r = run_once(engine, prompts, output_tokens, in_flight)
+    r = run_once(engine, prompts, output_tokens, in_flight, temperature)
     c, secs, t, plans = in_flight or len(prompts), r["seconds"], r["timings"], r["plans"]
     row: dict[str, Any] = {
         "mode": mode,

@@ -82,6 +82,7 @@ def bench(
     paired: bool = False,
     share_weights: bool = True,
     arrivals: str = "wave",
+    temperature: float = 0.0,
 ) -> dict[str, Any]:
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
@@ -94,6 +95,8 @@ def bench(
 
     if arrivals not in ARRIVALS:
         raise BenchError(f"arrivals {arrivals!r}: use one of {', '.join(ARRIVALS)}")
+    if temperature and (profiles or peer):
+        raise BenchError("--temperature > 0 measures the drafter's own acceptance: no --acceptance-profile, no --peer")
     if peer and arrivals != "wave":
         raise BenchError("--peer hf runs HF generate on waves of prompts: give it --arrivals wave")
     isolate = device.startswith("cuda") if isolate is None else isolate
@@ -147,6 +150,7 @@ def bench(
         bandwidth=bandwidth,
         share_weights=share_weights,
         arrivals=arrivals,
+        temperature=temperature,
     )
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
@@ -224,7 +228,9 @@ def measure_mode(mode: str, j: ModeJob) -> dict[str, Any]:
             batch, in_flight = j.cell_prompts(c, vocab)
             run_once(e, batch[:c], min(j.output_tokens, 16))  # warm-up (allocator, kernels, policy); discarded
             for _ in range(j.repeats):
-                row = measure_row(e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth, in_flight)
+                row = measure_row(
+                    e, mode, label, batch, j.output_tokens, floor, int(own_bytes), j.bandwidth, in_flight, j.temperature
+                )
                 runs.setdefault((mode, label, c), []).append(row)
                 bar.update()
             if j.profile_ops and c == j.concurrency[0]:
