@@ -42,6 +42,7 @@ from refengine.bench.report import KEY, print_table
 from refengine.bench.run import BenchError
 from refengine.bench.suite import MODES, bench
 from refengine.bench.verdict import DEFAULT_BAR
+from refengine.config import DRAFT_SAMPLINGS
 from refengine.spec_decode.acceptance_profile import parse_profile
 
 
@@ -181,6 +182,12 @@ def add_bench_parser(sub) -> None:
         help="sample at this temperature (request i seeded i; default 0, greedy): the drafter's own acceptance "
         "under speculative sampling, no --acceptance-profile",
     )
+    p.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLINGS,
+        default="sampled",
+        help="with --temperature > 0: drafts drawn from the drafter's distribution (sampled) or its argmax (greedy)",
+    )
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
     p.add_argument(
@@ -248,6 +255,7 @@ def _cmd(args) -> int:
         share_weights=not args.own_weights,
         arrivals=args.arrivals,
         temperature=args.temperature,
+        draft_sampling=args.draft_sampling,
     )
     print_table(
         res["rows"],

@@ -53,6 +53,7 @@ class ModeJob:
     share_weights: bool = True  # paired: the engines of a process read one copy of the target's weights
     arrivals: str = "wave"  # ARRIVALS
     temperature: float = 0.0  # > 0: the measured runs sample (request i seeded i)
+    draft_sampling: str = "sampled"  # EngineConfig.draft_sampling: how they draft then
 
     def cell_prompts(self, c: int, vocab: int) -> tuple[list[list[int]], int | None]:
         """A cell's prompts and how many run at once (None: all, a wave)."""

@@ -37,6 +37,7 @@ def load_engine(
         graph_mode=j.graph_mode,
         num_blocks=j.blocks,
         shared_target=shared_target,
+        draft_sampling=j.draft_sampling,
     )
     t = time.perf_counter()
     shapes = e.capture_graphs()

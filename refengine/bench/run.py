@@ -212,6 +212,7 @@ def engine_for(
     graph_mode: str | None = None,
     num_blocks: int | None = None,
     shared_target: Any = None,
+    draft_sampling: str = "sampled",
 ):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
@@ -226,6 +227,7 @@ def engine_for(
         speculation="adaptive" if mode == "adaptive" else "fixed",
         graph_mode=graph_mode,
         num_blocks=num_blocks,
+        draft_sampling=draft_sampling,
     )
     return Engine(cfg, acceptance_override=override if mode != "plain" else None, target=shared_target)
 

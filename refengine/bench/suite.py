@@ -83,6 +83,7 @@ def bench(
     share_weights: bool = True,
     arrivals: str = "wave",
     temperature: float = 0.0,
+    draft_sampling: str = "sampled",
 ) -> dict[str, Any]:
     """Every mode's rows (and the peer's). `isolate` (default: on CUDA) measures each mode in a fresh process;
     `processes` > 1 (isolated only) does so that many rounds, the modes taking turns, and each row's medians
@@ -151,6 +152,7 @@ def bench(
         share_weights=share_weights,
         arrivals=arrivals,
         temperature=temperature,
+        draft_sampling=draft_sampling,
     )
     runs: dict[tuple[str, str, int], list[list[dict[str, Any]]]] = {}  # cell -> each process's runs
     floor, vocab = 0.0, 0
