@@ -443,7 +443,7 @@ def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
     runs = [0]
     once = bench_run.run_once
 
-    def spy_run_once(engine, prompts, output_tokens, in_flight=None):
+    def spy_run_once(engine, prompts, output_tokens, in_flight=None, temperature=0.0):
         runs[0] += 1
         live.clear()
         add = engine.add_request
@@ -456,7 +456,7 @@ def test_bench_steady_arrivals_keep_c_requests_in_flight(capsys, monkeypatch):
 
         monkeypatch.setattr(engine, "add_request", spy_add)
         try:
-            return once(engine, prompts, output_tokens, in_flight)
+            return once(engine, prompts, output_tokens, in_flight, temperature)
         finally:
             monkeypatch.setattr(engine, "add_request", add)
 
