@@ -36,7 +36,8 @@ class DraftGraphs:
     def draft(self, blocks: list[DraftBlock], spans: list[int], widest: int) -> LaunchedDrafts:
         steps = [StepRow(b.req_id, b.start, b.tokens, b.start + len(b.tokens)) for b in blocks]
         g = self.graph.run(steps, prepare=lambda graph: self._load_context(graph, blocks), widest=widest)
-        return LaunchedDrafts(g.buffers.argmax, spans, g.cap - 1)  # the graph scores rows 1..cap-1 a block
+        # the graph scores rows 1..cap-1 a block
+        return LaunchedDrafts(g.buffers.argmax, spans, g.cap - 1, hidden=g.buffers.hidden)
 
     def _load_context(self, graph: StepGraph, blocks: list[DraftBlock]) -> None:
         """Request i's n pending rows go to context rows [i*B, i*B + n) of the graph: the graph gathers their

@@ -89,12 +89,14 @@ class VerifyStep:
     def _sampled_drafts(
         self, plan: VerifyPlan, items: list[DraftItem], drafting: list[int], drafts: list[list[int]]
     ) -> tuple[list[int], torch.Tensor] | None:
-        """When a drafting request samples (with sampled drafts on), one eager draft forward for every drafting
-        request: the greedy ones take its argmax, the sampling ones draw from its processed distribution.
+        """When a drafting request samples (with sampled drafts on), one draft forward for every drafting
+        request (the draft graph's, its logits read from its final rows, or eager: the proposer's
+        `draft_distribution_logits`): the greedy ones take its argmax, the sampling ones draw from its
+        processed distribution.
         Fills `drafts`; returns (the indices of the requests that drew, their q [n, B-1, V]), or None when no
         request draws its drafts (then the drafts come from propose / the draft graph, as at temperature 0)."""
         assert self.proposer is not None
-        logits_of = getattr(self.proposer, "propose_logits", None)
+        logits_of = getattr(self.proposer, "draft_distribution_logits", None)
         sampled = [j for j, i in enumerate(drafting) if plan.requests[i].params.sampled]
         if not (self.sampled_drafts and sampled and logits_of is not None) or "propose" in vars(self.proposer):
             return None  # a replaced propose (tests' logs and faults) must see every draft: greedy drafts then

@@ -183,6 +183,18 @@ class LaneDraft:
         )
 
     @torch.inference_mode()
+    def draft_distribution_logits(self, items: list[DraftItem]) -> torch.Tensor:
+        """The drafter's fp32 logits [N, B-1, V] for rows 1..B-1 of each request's block (what sampled drafts
+        are drawn from): from the draft graph's final rows when one fits the step, else eagerly."""
+        launched = self.launch(items, full_block=True)
+        if launched is None or launched.hidden is None:
+            return self.propose_logits(items)
+        b = self.block_size
+        rows = torch.tensor([i * b + j for i in range(len(items)) for j in range(1, b)], device=launched.hidden.device)
+        logits = torch.nn.functional.linear(launched.hidden[rows], self.drafter.lm_head)
+        return logits.float().view(len(items), b - 1, -1)
+
+    @torch.inference_mode()
     def propose_logits(self, items: list[DraftItem], fp32: bool = True) -> torch.Tensor:
         """The drafter's logits [N, B-1, V] for rows 1..B-1 of each request's block (eager)."""
         self._prepare(items)

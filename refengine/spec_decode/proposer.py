@@ -43,6 +43,9 @@ class LaunchedDrafts:
     tokens: torch.Tensor
     spans: list[int]
     width: int  # drafts scored a block: the graph's score cap - 1 (B - 1 at most), >= every span - 1
+    # the graph's final normed rows [bucket * B, H] (request i's block: rows [i*B, i*B + B)), for the
+    # logits of sampled drafts; valid until the draft graph's next replay
+    hidden: torch.Tensor | None = None
 
     def read(self) -> list[list[int]]:
         """span - 1 drafts per request (waits for the draft graph)."""
