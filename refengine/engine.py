@@ -103,6 +103,7 @@ class Engine:
             dtype,
             self.target.device,
             dummy_blocks=blocks_for(span, config.page_size),
+            prefix_caching=config.enable_prefix_caching,
         )
         if config.tensor_parallel_size > 1:
             # after planning (the CUDA profile runs rank 0's shard alone, without collectives): start the
@@ -291,6 +292,28 @@ class Engine:
             "spans": {str(k): v for k, v in sorted(sched.span_counts.items())},
             "errors": sched.policy_errors,
             "detail": policy.stats() if policy is not None else {},
+        }
+
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache's record, JSON-ready: `enabled`; `queries` (requests looked up) and `hits` (those
+        that got a block); `query_tokens` / `hit_tokens` (prompt tokens looked up / served from the cache, not
+        prefilled) and `hit_rate` (their ratio); `cached_blocks` and `evictable_blocks` now; `inserted` and
+        `evicted` blocks since the start."""
+        cache = self.pool.prefix_cache
+        if cache is None:
+            return {"enabled": False}
+        s = cache.stats
+        return {
+            "enabled": True,
+            "queries": s.queries,
+            "hits": s.hits,
+            "query_tokens": s.query_tokens,
+            "hit_tokens": s.hit_tokens,
+            "hit_rate": s.hit_rate,
+            "cached_blocks": cache.num_cached,
+            "evictable_blocks": cache.num_evictable,
+            "inserted": s.inserted,
+            "evicted": s.evicted,
         }
 
     def check_integrity(self) -> None:

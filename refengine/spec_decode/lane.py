@@ -82,6 +82,18 @@ class DFlashLane(LaneDraft):
         self.pool.extend(req_id, rows)  # every page up front: a draft never allocates
         self._ctx[req_id] = DraftContext(capacity=capacity)
 
+    def can_start(self, capacities: list[int]) -> bool:
+        """Whether the pool can give each of these requests capacity + B rows, together."""
+        page = self.pool.page_size
+        need = sum(blocks_for(c + self.block_size, page) for c in capacities)
+        return need <= self.pool.allocator.num_free - self.pool.outstanding_promises()
+
+    def attach_cached(self, req_id: int, rows: int) -> None:
+        """Rows [0, rows) of cached target blocks become pending context: their features are in the store at
+        the blocks' slots (shared through the request's block table), projected at its first draft like a
+        prompt's. The drafter context K/V is per request, so each hit projects its rows once."""
+        self.append_pending_context(req_id, 0, rows)
+
     def release(self, req_id: int) -> None:
         if self._ctx.pop(req_id, None) is not None:
             self.pool.release(req_id)
