@@ -120,6 +120,7 @@ class Request:
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
     failed_steps: int = 0  # steps this request was part of that failed and were rolled back
+    cached_tokens: int = 0  # prompt tokens it took from the prefix cache at admission (not prefilled)
 
     @property
     def finished(self) -> bool:

@@ -83,7 +83,7 @@ class Admission(PrefixSharing):
             self.pool.extend(req.request_id, len(req.prompt_ids) - cached)
             if self.pool.prefix_cache is not None:
                 self.pool.prefix_cache.record_lookup(len(req.prompt_ids), cached)
-            req.status = RequestStatus.RUNNING
+            req.status, req.cached_tokens = RequestStatus.RUNNING, cached
             admitted.append((req, cached))
             tokens += len(req.prompt_ids) - cached
         return admitted
