@@ -96,6 +96,11 @@ class PrefixCache:
     def holds(self, block: int) -> bool:
         return block in self._entries
 
+    def lacks_features(self, block: int) -> bool:
+        """A cached block whose rows' tap features are not in the store."""
+        entry = self._entries.get(block)
+        return entry is not None and not entry.has_features
+
     @property
     def num_cached(self) -> int:
         return len(self._entries)

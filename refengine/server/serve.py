@@ -153,7 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw: dict[str, Any] = {"speculation": args.speculation}
+    kw: dict[str, Any] = {"speculation": args.speculation, "enable_prefix_caching": args.enable_prefix_caching}
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
@@ -190,7 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.capture_graphs()  # every CUDA graph shape before the first request (a no-op in eager mode)
     app, loop = make_app(engine, scfg)
     print(
-        f"refengine serve: {cfg.target_path} (drafter {cfg.draft_path or 'off'}, speculation {cfg.speculation}) "
+        f"refengine serve: {cfg.target_path} (drafter {cfg.draft_path or 'off'}, speculation {cfg.speculation}, "
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}) "
         f"on {cfg.device}, http://{args.host}:{args.port}/v1",
         flush=True,
     )
@@ -224,6 +225,9 @@ def add_serve_parser(sub) -> None:
         help="verify span policy: fixed (the drafter's block every step) or adaptive (chosen per step); "
         "/metrics exports the chosen spans (refengine_spec_span_steps_total)",
     )
+    from refengine.defaults import add_prefix_caching_argument
+
+    add_prefix_caching_argument(s)
     s.add_argument("--served-model-name", help="the model id /v1/models reports (default: the checkpoint's)")
     s.add_argument("--log-level", default="info")
     from dataclasses import fields

@@ -6,8 +6,9 @@ where the output stays lossless. Scenarios: many requests sharing a system promp
 chats (the next turn hits the last turn's generated blocks), partial-block hits, a prefix evicted and
 refilled while a long request runs, concurrent first requests racing for one prefix, blocks cached by
 requests that did not draft (no tap features: a drafting request must not take them), a plain engine. Two
-deliberately broken engines (a hit's drafter context skipped; featureless blocks taken) show the gate
-fails on exactly those bugs while their outputs stay lossless. Integrity (reference counts, the cache's
+deliberately broken engines (a hit's drafter context skipped; featureless blocks taken, with the flag that
+lets check_integrity name it gone too) show the gate fails on exactly those bugs while their outputs stay
+lossless. Integrity (reference counts, the cache's
 blocks) is checked after every step (conftest).
 
 Run: pytest tests/golden/test_lossless_prefix_cache.py      (a real pair too with REFENGINE_TARGET_PATH /
@@ -313,7 +314,13 @@ def test_gate_fails_a_hit_that_skips_the_drafter_context(model_pair):
 
 
 def test_gate_fails_a_drafting_hit_on_featureless_blocks(model_pair):
+    """A port without the per-block features flag: drafting requests take blocks a logprobs request cached.
+    check_integrity names it at the first such hit; with the flag gone altogether, the gate fails."""
+    from contextlib import ExitStack
+
+    from refengine.errors import IntegrityError
     from refengine.kv.pool import KvPool
+    from refengine.kv.prefix_cache import PrefixCache
 
     lookup = KvPool.lookup
 
@@ -327,7 +334,16 @@ def test_gate_fails_a_drafting_hit_on_featureless_blocks(model_pair):
         _run_until(engine, reqs)
         return reqs
 
-    runs = _run_both(model_pair, flow, broken=lambda: patch.object(KvPool, "lookup", any_block))
+    with patch.object(KvPool, "lookup", any_block), pytest.raises(IntegrityError, match="tap features"):
+        flow(cpu_engine(model_pair.target, model_pair.draft, enable_prefix_caching=True))
+
+    def no_flag():
+        stack = ExitStack()
+        stack.enter_context(patch.object(KvPool, "lookup", any_block))
+        stack.enter_context(patch.object(PrefixCache, "lacks_features", lambda self, block: False))
+        return stack
+
+    runs = _run_both(model_pair, flow, broken=no_flag)
     assert all(r.cached_tokens for r in runs[True][1][1:]), "the broken engine must hit the featureless blocks"
     bad = _mismatches(runs)
     assert bad, "the acceptance gate passed drafting requests that took blocks without tap features"

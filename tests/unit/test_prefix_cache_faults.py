@@ -3,7 +3,8 @@
 double-freed: integrity (reference counts against the tables, the cache's blocks evictable exactly when no
 table holds them, nothing both cached and free) holds after every step (conftest), and once every request
 is done every block is free or cached-and-evictable, no reference is left, and the requests outside the
-failed plans produce exactly their cache-off bs=1 outputs. A rolled-back prefill's blocks are never cached.
+failed plans produce exactly their cache-off bs=1 outputs. A rolled-back prefill's blocks are never cached,
+and check_integrity names a drafting request holding a cached block without tap features.
 
 Run: python -m pytest -q tests/unit/test_prefix_cache_faults.py
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from refengine import FinishReason, SamplingParams
+from refengine.errors import IntegrityError
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
 from tests.faults import FaultInjector
 
@@ -105,3 +107,16 @@ def test_a_rolled_back_prefill_caches_nothing(random_pair):
     assert inj.fired == 1 and engine.pool.prefix_cache.num_cached == 0, "a failed prefill's blocks were cached"
     _drain_clean(engine)
     assert req.finish_reason is FinishReason.LENGTH and engine.pool.prefix_cache.num_cached > 0
+
+
+def test_integrity_catches_a_drafting_request_on_featureless_blocks(random_pair):
+    engine = _engine(random_pair)
+    first = _add(engine, 0)
+    while not first.finished:
+        engine.step()
+    second = _add(engine, 1)
+    engine.step()  # its prefill took two cached blocks
+    block = engine.pool.table(second.request_id)[0]
+    engine.pool.prefix_cache._entries[block].has_features = False  # as if a plain request had cached it
+    with pytest.raises(IntegrityError, match=f"cached blocks \\[{block}\\] whose tap features are not in the store"):
+        engine.check_integrity()
