@@ -4,7 +4,9 @@ double-freed: integrity (reference counts against the tables, the cache's blocks
 table holds them, nothing both cached and free) holds after every step (conftest), and once every request
 is done every block is free or cached-and-evictable, no reference is left, and the requests outside the
 failed plans produce exactly their cache-off bs=1 outputs. A rolled-back prefill's blocks are never cached,
-and check_integrity names a drafting request holding a cached block without tap features.
+and check_integrity names a drafting request holding a cached block without tap features. Admission waits
+for the drafter's per-request pages that shared target blocks do not bring (a broken engine without that
+check fails its requests).
 
 Run: python -m pytest -q tests/unit/test_prefix_cache_faults.py
 """
@@ -120,3 +122,38 @@ def test_integrity_catches_a_drafting_request_on_featureless_blocks(random_pair)
     engine.pool.prefix_cache._entries[block].has_features = False  # as if a plain request had cached it
     with pytest.raises(IntegrityError, match=f"cached blocks \\[{block}\\] whose tap features are not in the store"):
         engine.check_integrity()
+
+
+def test_admission_waits_for_drafter_pages_shared_blocks_do_not_bring(random_pair):
+    """8 requests on one 64-token prefix in a 12-block pool: sharing it, the target admits all 8 at once,
+    but each drafter context is its own 6 pages of a 20-page lane pool (12 + 8 requests x 1 scratch page).
+    Admission waits for those pages (Proposer.can_start); without that check the drafter context cannot be
+    allocated and the requests fail."""
+    shared = list(range(200, 264))
+    prompts = [shared + [i, i + 1] for i in range(8)]
+    plain = cpu_engine(random_pair.target, max_num_seqs=1)
+    refs = [greedy(plain, [p], 14)[0] for p in prompts]
+
+    def run(engine):
+        first = engine.add_request(prompts[0], SamplingParams(max_tokens=14, ignore_eos=True))
+        while not first.finished:
+            engine.step()
+        reqs = [first] + [engine.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts[1:]]
+        most = 0
+        while engine.has_work():
+            engine.step()
+            most = max(most, len(engine.scheduler.running))
+        return reqs, most
+
+    reqs, most = run(
+        cpu_engine(random_pair.target, random_pair.draft, num_blocks=12, max_num_seqs=8, enable_prefix_caching=True)
+    )
+    _exact(reqs, refs, range(8), "drafter pages")
+    assert most == 3, f"{most} requests ran at once; the lane's 20 pages hold 3 contexts of 6"
+    broken = cpu_engine(
+        random_pair.target, random_pair.draft, num_blocks=12, max_num_seqs=8, enable_prefix_caching=True
+    )
+    broken.proposer.can_start = lambda capacities: True  # type: ignore[method-assign]
+    reqs, _ = run(broken)
+    errors = [r.message for r in reqs if r.finish_reason is FinishReason.ERROR]
+    assert errors and "drafter pool cannot hold" in errors[0], f"without the check: {errors[:1]}"
