@@ -115,10 +115,13 @@ class DFlashLane(LaneDraft):
         page_bytes = 2 * len(self.pool.k) * k[0].numel() * k.element_size()
         store = self.store
         total = 0
+        target_blocks: set[int] = set()  # distinct: prefix-cache hits share target blocks (and their rows)
         for rid in self._ctx:
             total += len(self.pool.table(rid)) * page_bytes
             if store is not None and rid in store.pool.seq_len:
-                total += len(store.pool.table(rid)) * store.pool.page_size * store.bytes_per_token()
+                target_blocks.update(store.pool.table(rid))
+        if store is not None:
+            total += len(target_blocks) * store.pool.page_size * store.bytes_per_token()
         return total
 
     # ---- rows: written to the store by the runner's forwards, staged by the runner, committed by the scheduler
