@@ -16,7 +16,7 @@ import pytest
 from golden.gates import MARGIN_TOL, first_divergence_regret_gate
 from refengine import SamplingParams
 from tests.adapter import gpu_engine, score_sequences
-from tests.golden.test_lossless_prefix_cache import PAGE, QUESTIONS, SYSTEM, _chat, _ids
+from tests.prefix_scenarios import PAGE, QUESTIONS, SYSTEM, chat, ids
 
 pytestmark = pytest.mark.gpu
 MIN_TAU_RATIO = 0.9
@@ -25,15 +25,15 @@ MIN_TAU_RATIO = 0.9
 def _flow(engine, pair):
     """A shared system prompt (one request first, then seven together), then two more turns of three chats."""
     params = SamplingParams(max_tokens=48, ignore_eos=not pair.has_tokenizer)
-    first = engine.add_request(_chat(pair, QUESTIONS[0]), params)
+    first = engine.add_request(chat(pair, QUESTIONS[0]), params)
     while not first.finished:
         engine.step()
-    reqs = [first] + [engine.add_request(_chat(pair, q), params) for q in QUESTIONS[1:]]
+    reqs = [first] + [engine.add_request(chat(pair, q), params) for q in QUESTIONS[1:]]
     while engine.has_work():
         engine.step()
     chats = reqs[:3]
     for turn in ("Now add type hints.", "And a test."):
-        user = _ids(pair, f"<|im_end|>\n<|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n")
+        user = ids(pair, f"<|im_end|>\n<|im_start|>user\n{turn}<|im_end|>\n<|im_start|>assistant\n")
         chats = [engine.add_request(list(r.prompt_ids) + r.output_ids + user, params) for r in chats]
         while engine.has_work():
             engine.step()
@@ -49,7 +49,7 @@ def test_gpu_prefix_cache_lossless_and_acceptance(model_pair):
         runs[cache] = (engine, _flow(engine, model_pair))
     (off_engine, off), (engine, on) = runs[False], runs[True]
     engine.check_integrity()
-    shared = len(_ids(model_pair, SYSTEM)) // PAGE * PAGE
+    shared = len(ids(model_pair, SYSTEM)) // PAGE * PAGE
     cached = [r.cached_tokens for r in on]
     assert cached[0] == 0 and all(c >= shared for c in cached[1:]), f"cached tokens {cached} (system {shared})"
 
