@@ -295,26 +295,9 @@ class Engine:
         }
 
     def prefix_cache_stats(self) -> dict:
-        """The prefix cache's record, JSON-ready: `enabled`; `queries` (requests looked up) and `hits` (those
-        that got a block); `query_tokens` / `hit_tokens` (prompt tokens looked up / served from the cache, not
-        prefilled) and `hit_rate` (their ratio); `cached_blocks` and `evictable_blocks` now; `inserted` and
-        `evicted` blocks since the start."""
+        """The prefix cache's record, JSON-ready (PrefixCache.report); {"enabled": False} without one."""
         cache = self.pool.prefix_cache
-        if cache is None:
-            return {"enabled": False}
-        s = cache.stats
-        return {
-            "enabled": True,
-            "queries": s.queries,
-            "hits": s.hits,
-            "query_tokens": s.query_tokens,
-            "hit_tokens": s.hit_tokens,
-            "hit_rate": s.hit_rate,
-            "cached_blocks": cache.num_cached,
-            "evictable_blocks": cache.num_evictable,
-            "inserted": s.inserted,
-            "evicted": s.evicted,
-        }
+        return cache.report() if cache is not None else {"enabled": False}
 
     def check_integrity(self) -> None:
         """Scheduler, KV pool and proposer agree (IntegrityError naming the disagreement otherwise)."""

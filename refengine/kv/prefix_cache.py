@@ -92,6 +92,24 @@ class PrefixCache:
         s.query_tokens += prompt_tokens
         s.hit_tokens += hit_tokens
 
+    def report(self) -> dict:
+        """JSON-ready: `queries` (requests looked up) and `hits` (those that got a block); `query_tokens` /
+        `hit_tokens` (prompt tokens looked up / served from the cache, not prefilled) and `hit_rate` (their
+        ratio); `cached_blocks` and `evictable_blocks` now; `inserted` and `evicted` blocks since the start."""
+        s = self.stats
+        return {
+            "enabled": True,
+            "queries": s.queries,
+            "hits": s.hits,
+            "query_tokens": s.query_tokens,
+            "hit_tokens": s.hit_tokens,
+            "hit_rate": s.hit_rate,
+            "cached_blocks": self.num_cached,
+            "evictable_blocks": self.num_evictable,
+            "inserted": s.inserted,
+            "evicted": s.evicted,
+        }
+
     # ---- what the allocator asks ------------------------------------------------------------------------
     def holds(self, block: int) -> bool:
         return block in self._entries
