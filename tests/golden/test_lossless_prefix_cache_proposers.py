@@ -2,13 +2,15 @@
 shared prefixes, the later ones admitted while earlier ones run and hitting their cached blocks (whose rows
 reach the proposer through attach_cached, before the prefill's own), must produce plain greedy's output
 exactly whatever the drafts: the oracle commits every span whole, and hypothesis picks which drafts of the
-noisy proposer go wrong. The transaction (reserve, verify, commit, roll back) runs over shared blocks.
+noisy proposer go wrong. The transaction (reserve, verify, commit, roll back) runs over shared blocks. Prompt
+ids are below 1023, valid in every pair's vocabulary.
 
 Run: pytest tests/golden/test_lossless_prefix_cache_proposers.py
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 from hypothesis import HealthCheck, given, settings
@@ -25,6 +27,10 @@ def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     stems = [[rng.randrange(1023) for _ in range(rng.choice([17, 33, 40]))] for _ in range(2)]
     return [stems[i % 2] + [rng.randrange(1023) for _ in range(rng.choice([1, 5, 16]))] for i in range(6)]
+
+
+def _vocab(pair) -> int:
+    return json.loads((pair.target / "config.json").read_text())["vocab_size"]
 
 
 def _run(pair, proposer, prompts, budgets) -> list:
@@ -47,9 +53,9 @@ def _run(pair, proposer, prompts, budgets) -> list:
     return reqs
 
 
-def test_lossless_prefix_cache_oracle_commits_every_span(random_pair):
+def test_lossless_prefix_cache_oracle_commits_every_span(model_pair):
     budgets = [1, B - 1, B, B + 1, 2 * B + 3, 40]
-    for r, m in zip(_run(random_pair, oracle(B, 1024), _prompts(0), budgets), budgets):
+    for r, m in zip(_run(model_pair, oracle(B, _vocab(model_pair)), _prompts(0), budgets), budgets):
         expected, left = [], m - 1
         while left > 0:
             expected.append(min(B, left))
@@ -63,7 +69,7 @@ def test_lossless_prefix_cache_oracle_commits_every_span(random_pair):
     seed=st.integers(0, 2**16),
     wrong=st.sets(st.tuples(st.integers(0, 5), st.integers(0, 6), st.integers(1, B - 1)), max_size=30),
 )
-def test_lossless_prefix_cache_noisy_proposer(random_pair, seed, wrong):
-    proposer = ReplayProposer(B, 1024, corrupt=lambda req_id, step, j: (req_id, step, j) in wrong)
+def test_lossless_prefix_cache_noisy_proposer(model_pair, seed, wrong):
+    proposer = ReplayProposer(B, _vocab(model_pair), corrupt=lambda req_id, step, j: (req_id, step, j) in wrong)
     budgets = [random.Random(seed + i).choice([2, B, B + 1, 30]) for i in range(6)]
-    _run(random_pair, proposer, _prompts(seed), budgets)
+    _run(model_pair, proposer, _prompts(seed), budgets)
