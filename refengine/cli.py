@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from refengine.bench import add_bench_parser
 from refengine.config import DRAFT_SAMPLINGS, SPECULATION_MODES
-from refengine.defaults import add_model_arguments
+from refengine.defaults import add_model_arguments, add_prefix_caching_argument
 from refengine.errors import RefEngineError
 from refengine.memory.cli import add_memory_parser
 
@@ -63,6 +63,7 @@ def cmd_generate(args) -> int:
             draft_path=str(draft) if draft else None,
             device=device,
             dtype=args.dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
             speculation=args.speculation,
             draft_sampling=args.draft_sampling,
         )
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         "measured step costs and acceptance; 1 = plain decode). Outputs are the same either way",
     )
     add_sampling_arguments(g)
+    add_prefix_caching_argument(g)
     g.set_defaults(func=cmd_generate)
     add_memory_parser(sub)
     add_bench_parser(sub)

@@ -227,6 +227,10 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_prefill_tokens: int = 8192
     speculative: bool = True  # use the drafter when one is given
+    # Block prefix cache of the target's KV (refengine/kv/prefix_cache.py): a prompt's cached full blocks are
+    # shared, not prefilled; blocks carry their tap features, so a drafting request's hit brings its drafter
+    # context (scheduler/prefix.py).
+    enable_prefix_caching: bool = False
     # "fixed": every verify span is min(B, remaining); "adaptive": GoodputSpans picks each request's span
     # (1..B) per step from measured step costs and its acceptance (refengine/span_policy/; output unchanged)
     speculation: str = "fixed"
@@ -281,6 +285,8 @@ class EngineConfig:
                 f"acceptance_profile={self.acceptance_profile!r}: acceptance profiles are a benchmark-only mode "
                 "(outputs are not greedy-exact); use `refengine bench --acceptance-profile NAME`"
             )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise UnsupportedConfigError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise UnsupportedConfigError(f"num_blocks={self.num_blocks} must be positive")
         tp = self.tensor_parallel_size

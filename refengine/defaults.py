@@ -40,3 +40,12 @@ def model_pair(args: argparse.Namespace) -> tuple[Path, Path | None]:
     else:
         target, draft = Path(args.model), args.dflash_draft_model_path
     return target, None if args.no_draft else draft
+
+
+def add_prefix_caching_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="share the KV (and the drafter's tap features) of cached full prompt blocks between requests "
+        "(EngineConfig.enable_prefix_caching); outputs are the same either way",
+    )

@@ -104,6 +104,7 @@ class Engine:
             dtype,
             self.target.device,
             dummy_blocks=blocks_for(span, config.page_size),
+            prefix_caching=config.enable_prefix_caching,
         )
         if config.tensor_parallel_size > 1:
             # after planning (the CUDA profile runs rank 0's shard alone, without collectives): start the
@@ -303,6 +304,11 @@ class Engine:
             "errors": sched.policy_errors,
             "detail": policy.stats() if policy is not None else {},
         }
+
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache's record, JSON-ready (PrefixCache.report); {"enabled": False} without one."""
+        cache = self.pool.prefix_cache
+        return cache.report() if cache is not None else {"enabled": False}
 
     def check_integrity(self) -> None:
         """Scheduler, KV pool and proposer agree (IntegrityError naming the disagreement otherwise)."""

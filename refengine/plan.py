@@ -18,6 +18,11 @@ TopK = tuple[list[int], list[float]]  # (ids, logprobs) of one position, best fi
 class PrefillPlan:
     requests: list[Request]
     capture: list[bool]  # capture drafter features for this request's prompt
+    # prompt tokens each request took from the prefix cache (whole blocks; empty: none): only the rest run
+    cached: list[int] = field(default_factory=list)
+
+    def cached_tokens(self, i: int) -> int:
+        return self.cached[i] if self.cached else 0
 
 
 @dataclass

@@ -142,6 +142,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     failed_steps: int = 0  # steps this request was part of that failed and were rolled back
     seed: int = 0  # its random stream's key: params.seed, or drawn at admission (Engine.add_request)
+    cached_tokens: int = 0  # prompt tokens it took from the prefix cache at admission (not prefilled)
 
     @property
     def finished(self) -> bool:

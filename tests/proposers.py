@@ -35,6 +35,14 @@ class ReplayProposer:
         self._rows[req_id] = 0
         self._steps[req_id] = 0
 
+    def can_start(self, capacities: list[int]) -> bool:
+        return True  # no pool
+
+    def attach_cached(self, req_id: int, rows: int) -> None:
+        if self._rows[req_id] != 0:
+            raise AlignmentError(f"request {req_id}: cached rows attached after {self._rows[req_id]} context rows")
+        self._rows[req_id] = rows
+
     def release(self, req_id: int) -> None:
         self._rows.pop(req_id, None)
         self._staged.pop(req_id, None)

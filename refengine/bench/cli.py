@@ -37,12 +37,14 @@ import torch
 from refengine.bench.cells import PAIRS
 from refengine.bench.floors import measure_copy_bandwidth
 from refengine.bench.matrix_cli import CELL_TOKENS, cmd_matrix
+from refengine.bench.prefix import WORKLOADS, cmd_workload
 from refengine.bench.prompts import PROMPT_SETS
 from refengine.bench.report import KEY, print_table
 from refengine.bench.run import BenchError
 from refengine.bench.suite import MODES, bench
 from refengine.bench.verdict import DEFAULT_BAR
 from refengine.config import DRAFT_SAMPLINGS
+from refengine.defaults import add_prefix_caching_argument
 from refengine.spec_decode.acceptance_profile import parse_profile
 
 
@@ -188,6 +190,18 @@ def add_bench_parser(sub) -> None:
         default="sampled",
         help="with --temperature > 0: drafts drawn from the drafter's distribution (sampled) or its argmax (greedy)",
     )
+    p.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=None,
+        help="shared-prefix (a --system-len system prompt + --question-len questions, 4 x c requests, c in "
+        "flight) or multi-turn (c chats of --turns turns): TTFT and tok/s for --modes plain,dflash "
+        "(refengine/bench/prefix.py)",
+    )
+    p.add_argument("--system-len", type=int, default=2000, help="--workload: system prompt tokens")
+    p.add_argument("--question-len", type=int, default=32, help="--workload: tokens of each question")
+    p.add_argument("--turns", type=int, default=4, help="--workload multi-turn: turns of each chat")
+    add_prefix_caching_argument(p)
     p.add_argument("--output", help="also write the JSON to this path")
     p.add_argument("--plot", help="write tok/s against concurrency to this image (needs the plot extra)")
     p.add_argument(
@@ -230,6 +244,13 @@ def _cmd(args) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             raise BenchError("--plot needs matplotlib: pip install 'refengine[plot]'")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.workload is not None:
+        return cmd_workload(args, target, draft, device, modes if args.modes != ",".join(MODES) else None)
+    if args.enable_prefix_caching:
+        raise BenchError(
+            "--enable-prefix-caching applies to --workload shared-prefix / multi-turn (the standard "
+            "bench's random prompts share no prefix)"
+        )
     res = bench(
         target,
         draft,

@@ -1,14 +1,18 @@
-"""The paged KV pool: tensors allocated once, per-request committed lengths, lifetime reservations and the
-speculative transaction (schedule_speculative / speculative_view / apply_speculative / revert_schedule)."""
+"""The paged KV pool: tensors allocated once, per-request committed lengths, lifetime reservations, the
+speculative transaction (schedule_speculative / speculative_view / apply_speculative / revert_schedule) and,
+when enabled, the prefix cache's bookkeeping per request (lookup at admission, registering full committed
+blocks: kv/prefix_cache.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from refengine.errors import IntegrityError, KvAllocationError
 from refengine.kv.allocator import BlockAllocator
+from refengine.kv.prefix_cache import ROOT_KEY, PrefixCache
 
 
 def blocks_for(tokens: int, page: int) -> int:
@@ -33,9 +37,11 @@ class KvPool:
         dtype: torch.dtype,
         device: torch.device,
         dummy_blocks: int = 1,
+        prefix_caching: bool = False,
     ):
         self.page_size = page_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.prefix_cache = PrefixCache(page_size) if prefix_caching else None
+        self.allocator = BlockAllocator(num_blocks, self.prefix_cache)
         # Pages past the allocator's range that no request owns: the padding rows of a graphed step write
         # their K/V there and its padding requests attend to them.
         self.dummy_blocks = list(range(num_blocks, num_blocks + dummy_blocks))
@@ -44,6 +50,10 @@ class KvPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.seq_len: dict[int, int] = {}  # committed KV length per request
         self.lifetime_blocks: dict[int, int] = {}  # blocks promised to each request for its whole life
+        # with a prefix cache: keys of each request's full blocks computed so far, and how many of its
+        # leading blocks are registered (or came from the cache)
+        self._keys: dict[int, list[bytes]] = {}
+        self._registered: dict[int, int] = {}
 
     # ---- admission and plain growth -------------------------------------------------------------------
     @property
@@ -64,25 +74,70 @@ class KvPool:
         return list(self.seq_len)
 
     def outstanding_promises(self) -> int:
-        """Blocks promised to live requests and not yet allocated to them. Every allocated block belongs to a live
-        request (check_integrity), so it is the promises' total less the blocks in use: O(1) in Python where the
-        sum over requests' tables made a c32 prefill's admissions O(n^2) (~240 us on the dev CPU)."""
-        return sum(self.lifetime_blocks.values()) - (self.allocator.num_blocks - self.allocator.num_free)
+        """Blocks promised to live requests and not yet allocated to them. Every table belongs to a live
+        request (check_integrity), so it is the promises' total less the tables' blocks: O(1) in Python where
+        the sum over requests' tables made a c32 prefill's admissions O(n^2) (~240 us on the dev CPU)."""
+        return sum(self.lifetime_blocks.values()) - self.allocator.table_blocks
 
-    def can_admit(self, lifetime_tokens: int) -> bool:
-        need = blocks_for(lifetime_tokens, self.page_size)
-        return need <= self.allocator.num_free - self.outstanding_promises()
+    def can_admit(self, lifetime_tokens: int, hit: Sequence[int] = ()) -> bool:
+        """Whether the pool can promise a request its lifetime blocks, `hit` (cached blocks it would share)
+        counted as already paid; those no table holds yet stop being evictable, so they count against the
+        free blocks."""
+        need = blocks_for(lifetime_tokens, self.page_size) - len(hit)
+        cache = self.prefix_cache
+        taken = sum(cache.is_evictable(b) for b in hit) if cache is not None and hit else 0
+        return need + taken <= self.allocator.num_free - self.outstanding_promises()
 
-    def admit(self, req_id: int, lifetime_tokens: int) -> None:
-        if not self.can_admit(lifetime_tokens):
+    def admit(self, req_id: int, lifetime_tokens: int, hit: Sequence[int] = (), keys: Sequence[bytes] = ()) -> None:
+        """Promise the request its lifetime blocks; with a hit, its table starts with the cached blocks `hit`
+        and its committed length with their tokens. `keys`: its prompt's block keys (PrefixCache.keys)."""
+        if not self.can_admit(lifetime_tokens, hit):
             raise KvAllocationError(f"request {req_id}: {lifetime_tokens} tokens do not fit the free pool")
         self.lifetime_blocks[req_id] = blocks_for(lifetime_tokens, self.page_size)
-        self.seq_len[req_id] = 0
+        self.seq_len[req_id] = len(hit) * self.page_size
+        if self.prefix_cache is not None:
+            self.allocator.share(req_id, list(hit))
+            self._keys[req_id] = list(keys)
+            self._registered[req_id] = len(hit)
 
     def release(self, req_id: int) -> None:
         self.allocator.free_request(req_id)
         self.seq_len.pop(req_id, None)
         self.lifetime_blocks.pop(req_id, None)
+        self._keys.pop(req_id, None)
+        self._registered.pop(req_id, None)
+
+    # ---- the prefix cache ---------------------------------------------------------------------------------
+    def prompt_keys(self, prompt: Sequence[int]) -> list[bytes]:
+        """The keys of the prompt's full blocks (none without a prefix cache)."""
+        cache = self.prefix_cache
+        return cache.keys(prompt, len(prompt) // self.page_size) if cache is not None else []
+
+    def lookup(self, prompt_len: int, keys: Sequence[bytes], need_features: bool) -> list[int]:
+        """The cached blocks of the prompt's longest cached prefix (`keys`: prompt_keys). At least one prompt
+        token is left to prefill: its logits give the first output token."""
+        cache = self.prefix_cache
+        return cache.match(keys[: (prompt_len - 1) // self.page_size], need_features) if cache is not None else []
+
+    def unregistered(self, req_id: int, length: int) -> bool:
+        """Whether the request has full blocks within its first `length` tokens not yet registered."""
+        return self.prefix_cache is not None and length // self.page_size > self._registered[req_id]
+
+    def register(
+        self, req_id: int, length: int, tokens: Callable[[int, int], Sequence[int]], has_features: bool
+    ) -> None:
+        """Register the request's full blocks within its first `length` (committed) tokens in the prefix
+        cache. tokens(a, b): its token ids at positions [a, b)."""
+        full, done, page = length // self.page_size, self._registered[req_id], self.page_size
+        if self.prefix_cache is None or full <= done:
+            return
+        keys, table = self._keys[req_id], self.allocator.table(req_id)
+        if len(keys) < full:
+            parent = keys[-1] if keys else ROOT_KEY
+            keys += self.prefix_cache.keys(tokens(len(keys) * page, full * page), full - len(keys), parent, 0)
+        for i in range(done, full):
+            self.allocator.register(keys[i], table[i], has_features)
+        self._registered[req_id] = full
 
     def _grow(self, req_id: int, new_len: int) -> int:
         need = blocks_for(new_len, self.page_size) - len(self.allocator.table(req_id))

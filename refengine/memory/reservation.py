@@ -24,8 +24,10 @@ plans with ``"lane"`` by default; ``"upstream"`` is here to reproduce and compar
 ``"lane"`` bills exactly what refengine's drafter lane allocates. Per request it keeps, for each drafter
 layer, context K and V as [capacity, nkv, d], where capacity = prompt + max_tokens + B rows; target
 features wait in the feature store, a row of n*Ht per token of the target's pool (the `pending` term, the
-store's size exactly: spec_decode/feature_store.py); one batch scratch is shared by all requests: hidden [N*B, Hd],
-q [N*B, Q], k and v [N*B, kv], MLP gate and up [N*B, I], logits for block rows 1..B-1 [N*(B-1), V].
+store's size exactly: spec_decode/feature_store.py; it bills the rows of prefix-cached blocks too, which is
+what a prefix-cache hit hands the drafter as its context: kv/prefix_cache.py); one batch scratch is shared
+by all requests: hidden [N*B, Hd], q [N*B, Q], k and v [N*B, kv], MLP gate and up [N*B, I], logits for block
+rows 1..B-1 [N*(B-1), V].
     per token: draft KV  Ld*2*kv*b | pending Ht*n*b           (context and tail scratch: 0)
     fixed:     the same weights + slack
                + dense scratch b*(Hd+Q+2kv+2I)*B*N + logits scratch b*V*(B-1)*N

@@ -242,15 +242,16 @@ class ModelRunner(VerifyStep):
         captures = self.graph_captures()
         if isinstance(plan, PrefillPlan):
             reqs = plan.requests
-            spans = [(r.request_id, 0, len(r.prompt_ids)) for r in reqs]
-            score = [
-                range(len(r.prompt_ids))
-                if r.params.prompt_logprobs
-                else range(len(r.prompt_ids) - 1, len(r.prompt_ids))
-                for r in reqs
-            ]
+            # a prompt's cached prefix (plan.cached) is in the KV already: only the rest runs
+            cached = [plan.cached_tokens(i) for i in range(len(reqs))]
+            spans = [(r.request_id, c, len(r.prompt_ids) - c) for r, c in zip(reqs, cached)]
+            score = [range(n) if r.params.prompt_logprobs else range(n - 1, n) for r, (_, _, n) in zip(reqs, spans)]
             a, t, hidden = self._run(
-                [r.prompt_ids for r in reqs], spans, plan.capture, score, [r.params.logprobs for r in reqs]
+                [r.prompt_ids[c:] for r, c in zip(reqs, cached)],
+                spans,
+                plan.capture,
+                score,
+                [r.params.logprobs for r in reqs],
             )
             last = [sum(len(s) for s in score[: i + 1]) - 1 for i in range(len(reqs))]  # each one's last row
             self._draw(reqs, [len(r.prompt_ids) - 1 for r in reqs], a, hidden, last)

@@ -1,6 +1,7 @@
 """Admission: a request is validated and checked against the engine's limits when it is added (rejected at
 once, with a message naming the limit and the numbers, if it can never be served), and admitted FIFO into a
-prefill while the batch, the prefill's token budget and the KV pool's lifetime promises allow."""
+prefill while the batch, the prefill's token budget and the KV pool's lifetime promises allow; a prompt's
+cached prefix (kv/prefix_cache.py, scheduler/prefix.py) counts as paid and is not prefilled."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from collections import deque
 from refengine.errors import InvalidRequestError
 from refengine.kv.pool import KvPool, blocks_for
 from refengine.request import RejectReason, Request, RequestStatus
+from refengine.scheduler.prefix import PrefixSharing
+from refengine.spec_decode.proposer import Proposer
 from refengine.validation import validate_prompt
 
 
-class Admission:
+class Admission(PrefixSharing):
     # what the Scheduler provides
     pool: KvPool
     vocab_size: int
@@ -21,6 +24,10 @@ class Admission:
     max_prefill_tokens: int
     waiting: deque[Request]
     running: list[Request]
+
+    @property
+    def active_proposer(self) -> Proposer:
+        raise NotImplementedError
 
     def add(self, req: Request) -> None:
         """Queue a request, or finish it at once as REJECTED with a message naming the limit and numbers.
@@ -46,23 +53,37 @@ class Admission:
         else:
             self.waiting.append(req)
 
-    def admit_waiting(self) -> list[Request]:
+    def admit_waiting(self) -> list[tuple[Request, int]]:
         """Take waiting requests, in order, into one prefill: while the batch has room, the prefill's tokens
         stay within max_prefill_tokens (its first request always fits) and the pool can promise each its
-        lifetime blocks. A request that does not fit stops admission: later ones wait behind it."""
-        admitted: list[Request] = []
+        lifetime blocks. A request that does not fit stops admission: later ones wait behind it. Returns each
+        admitted request with the prompt tokens it took from the prefix cache (prefilled: the rest)."""
+        admitted: list[tuple[Request, int]] = []
+        drafting: list[int] = []  # capacities of the drafting requests admitted so far
         tokens = 0
         while self.waiting and len(self.running) + len(admitted) < self.max_num_seqs:
             req = self.waiting[0]
             lifetime = len(req.prompt_ids) + req.params.max_tokens
-            if admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens:
+            keys, hit = self._lookup(req)
+            cached = len(hit) * self.pool.page_size
+            if admitted and tokens + len(req.prompt_ids) - cached > self.max_prefill_tokens:
                 break
-            if not self.pool.can_admit(lifetime):
+            if not self.pool.can_admit(lifetime, hit):
                 break
+            # a drafter context is per request: shared target blocks leave the lane's pool (sized like the
+            # target's) short of pages only with a prefix cache, so only then is it asked
+            drafts = self.speculates(req)
+            if drafts and self.pool.prefix_cache is not None:
+                if not self.active_proposer.can_start([*drafting, lifetime]):
+                    break
+            if drafts:
+                drafting.append(lifetime)
             self.waiting.popleft()
-            self.pool.admit(req.request_id, lifetime)
-            self.pool.extend(req.request_id, len(req.prompt_ids))
-            req.status = RequestStatus.RUNNING
-            admitted.append(req)
-            tokens += len(req.prompt_ids)
+            self.pool.admit(req.request_id, lifetime, hit, keys)
+            self.pool.extend(req.request_id, len(req.prompt_ids) - cached)
+            if self.pool.prefix_cache is not None:
+                self.pool.prefix_cache.record_lookup(len(req.prompt_ids), cached)
+            req.status, req.cached_tokens = RequestStatus.RUNNING, cached
+            admitted.append((req, cached))
+            tokens += len(req.prompt_ids) - cached
         return admitted

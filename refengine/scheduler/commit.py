@@ -28,6 +28,9 @@ class StepCommit(StepRecovery):
     policy_errors: int
     _step_report: StepReport | None  # the committed drafting step's, until report_step hands it over
 
+    def _register(self, req: Request) -> None:
+        raise NotImplementedError
+
     @property
     def active_policy(self) -> SpanPolicy:
         raise NotImplementedError
@@ -50,7 +53,10 @@ class StepCommit(StepRecovery):
                 if result.topk:
                     req.topk.extend(result.topk[i])
                 if plan.capture[i]:
-                    self.active_proposer.commit_context(req.request_id, 0, len(req.prompt_ids))
+                    cached = plan.cached_tokens(i)  # rows of cached blocks: their features are in the store
+                    if cached:
+                        self.active_proposer.attach_cached(req.request_id, cached)
+                    self.active_proposer.commit_context(req.request_id, cached, len(req.prompt_ids) - cached)
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # drafting requests at span 1: each row's features become drafter context
@@ -107,12 +113,14 @@ class StepCommit(StepRecovery):
 
     def _release_and_check(self, plan: Plan) -> None:
         """Release the plan's finished requests; the others' KV and drafter context must match what they
-        committed (IntegrityError / AlignmentError otherwise: a bug, which the engine turns into abandon())."""
+        committed (IntegrityError / AlignmentError otherwise: a bug, which the engine turns into abandon()).
+        Each request's full committed blocks go into the prefix cache, if on (the others' once checked)."""
         finished = [req for req in plan.requests if req.finished]
         if finished:  # out of `running` in one pass (one at a time is quadratic at a wave's end)
             gone = {req.request_id for req in finished}
             self.running = [r for r in self.running if r.request_id not in gone]
             for req in finished:
+                self._register(req)
                 self._drop(req, queues=False)
                 self._done.append(req)
         seq_len = self.pool.seq_len
@@ -131,3 +139,4 @@ class StepCommit(StepRecovery):
                     f"request {req.request_id}: drafter context rows "
                     f"{self.active_proposer.context_rows(req.request_id)} != committed KV length {kv}"
                 )
+            self._register(req)  # its full committed blocks into the prefix cache (a no-op without one)

@@ -29,7 +29,8 @@ def check_scheduler_integrity(sched: SchedulerState) -> None:
     matching status; every running request has a table covering exactly its committed length; nothing
     (blocks, lifetime promise, drafter context, staged features) is held for a request that is not
     running, waiting ones included; the proposer holds exactly the drafting requests, and each one's drafter
-    context matches its KV."""
+    context matches its KV; with a prefix cache (reference counts and the cache's blocks: KvPool.check_integrity)
+    no drafting request holds a cached block flagged without tap features."""
     sched.pool.check_integrity()
     running = {r.request_id: r for r in sched.running}
     waiting = {r.request_id: r for r in sched.waiting}
@@ -63,7 +64,13 @@ def check_scheduler_integrity(sched: SchedulerState) -> None:
         live = sched.proposer.live_requests()
         if live != spec:
             raise IntegrityError(f"proposer holds requests {sorted(live)}, speculating requests are {sorted(spec)}")
+        cache = sched.pool.prefix_cache
         for rid in spec:
+            featureless = [b for b in sched.pool.table(rid) if cache is not None and cache.lacks_features(b)]
+            if featureless:
+                raise IntegrityError(
+                    f"request {rid} drafts from cached blocks {featureless[:8]} whose tap features are not in the store"
+                )
             rows = sched.proposer.context_rows(rid)
             if rows != sched.pool.seq_len[rid]:
                 raise IntegrityError(

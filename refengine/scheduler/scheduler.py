@@ -66,6 +66,7 @@ class Scheduler(Admission, StepCommit):
             0  # choices that raised or were malformed (those steps decoded plainly), observes that raised
         )
         self._step_report: StepReport | None = None
+        self._head_keys: tuple[Request, list[bytes]] | None = None
 
     @property
     def active_proposer(self) -> Proposer:
@@ -82,7 +83,9 @@ class Scheduler(Admission, StepCommit):
 
     def speculates(self, req: Request) -> bool:
         """A drafting request: a proposer is loaded and the request asks for no logprobs. It holds a
-        drafter context from its prefill on, and every row it commits is recorded there."""
+        drafter context from its prefill on, and every row it commits is recorded there. It is ready to draft
+        once that context covers [0, committed): its prefill's rows plus those of the cached blocks it took
+        (which carry tap features: scheduler/prefix.py), checked after every commit (_release_and_check)."""
         return self.proposer is not None and req.params.logprobs == 0
 
     @property
@@ -120,9 +123,10 @@ class Scheduler(Admission, StepCommit):
 
     # ---- planning ----------------------------------------------------------------------------------------
     def schedule(self) -> Plan | None:
-        admitted = self.admit_waiting()
-        if admitted:
-            plan = PrefillPlan(admitted, [self.speculates(r) for r in admitted])
+        entries = self.admit_waiting()
+        if entries:
+            admitted = [r for r, _ in entries]
+            plan = PrefillPlan(admitted, [self.speculates(r) for r in admitted], [c for _, c in entries])
             try:
                 for r, drafts in zip(admitted, plan.capture):
                     if drafts:

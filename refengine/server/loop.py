@@ -280,6 +280,7 @@ class EngineLoop:
             "outstanding": self.outstanding,
             "rejected_busy": self.rejected_busy,
             "span": self._span_stats(),
+            "prefix_cache": eng.prefix_cache_stats(),
         }
 
     def _span_stats(self) -> dict[str, Any]:

@@ -76,6 +76,33 @@ class SnapshotCollector:
         for r, n in sorted(s["finished"].items()):
             fin.add_metric([m, r], n)
         yield fin
+        pc = s.get("prefix_cache", {})
+        yield one(
+            GaugeMetricFamily, "prefix_cache_enabled", "1 when the prefix cache is on.", int(pc.get("enabled", 0))
+        )
+        yield one(
+            CounterMetricFamily, "prefix_cache_queries", "Requests looked up in the prefix cache.", pc.get("queries", 0)
+        )
+        yield one(CounterMetricFamily, "prefix_cache_hits", "Requests that took cached blocks.", pc.get("hits", 0))
+        yield one(
+            CounterMetricFamily, "prefix_cache_query_tokens", "Prompt tokens looked up.", pc.get("query_tokens", 0)
+        )
+        yield one(
+            CounterMetricFamily,
+            "prefix_cache_cached_tokens",
+            "Prompt tokens served from the prefix cache (not prefilled).",
+            pc.get("hit_tokens", 0),
+        )
+        yield one(
+            GaugeMetricFamily,
+            "prefix_cache_hit_rate",
+            "Cached over looked-up prompt tokens since the start.",
+            pc.get("hit_rate", 0.0),
+        )
+        yield one(
+            GaugeMetricFamily, "prefix_cache_blocks", "KV blocks in the prefix cache.", pc.get("cached_blocks", 0)
+        )
+        yield one(CounterMetricFamily, "prefix_cache_evicted_blocks", "Cached blocks evicted.", pc.get("evicted", 0))
         yield one(GaugeMetricFamily, "requests_outstanding", "Requests submitted and not finished.", s["outstanding"])
         yield one(
             CounterMetricFamily,

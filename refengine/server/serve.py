@@ -153,7 +153,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     target, draft = model_pair(args)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    kw: dict[str, Any] = {"speculation": args.speculation, "draft_sampling": args.draft_sampling}
+    kw: dict[str, Any] = {
+        "speculation": args.speculation,
+        "draft_sampling": args.draft_sampling,
+        "enable_prefix_caching": args.enable_prefix_caching,
+    }
     if args.dtype:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
@@ -190,7 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine.capture_graphs()  # every CUDA graph shape before the first request (a no-op in eager mode)
     app, loop = make_app(engine, scfg)
     print(
-        f"refengine serve: {cfg.target_path} (drafter {cfg.draft_path or 'off'}, speculation {cfg.speculation}) "
+        f"refengine serve: {cfg.target_path} (drafter {cfg.draft_path or 'off'}, speculation {cfg.speculation}, "
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}) "
         f"on {cfg.device}, http://{args.host}:{args.port}/v1",
         flush=True,
     )
@@ -231,6 +236,9 @@ def add_serve_parser(sub) -> None:
         help="a request at temperature > 0 drafts from the drafter's processed distribution (sampled) or its "
         "argmax (greedy); either is lossless",
     )
+    from refengine.defaults import add_prefix_caching_argument
+
+    add_prefix_caching_argument(s)
     s.add_argument("--served-model-name", help="the model id /v1/models reports (default: the checkpoint's)")
     s.add_argument("--log-level", default="info")
     from dataclasses import fields

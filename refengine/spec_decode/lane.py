@@ -82,6 +82,18 @@ class DFlashLane(LaneDraft):
         self.pool.extend(req_id, rows)  # every page up front: a draft never allocates
         self._ctx[req_id] = DraftContext(capacity=capacity)
 
+    def can_start(self, capacities: list[int]) -> bool:
+        """Whether the pool can give each of these requests capacity + B rows, together."""
+        page = self.pool.page_size
+        need = sum(blocks_for(c + self.block_size, page) for c in capacities)
+        return need <= self.pool.allocator.num_free - self.pool.outstanding_promises()
+
+    def attach_cached(self, req_id: int, rows: int) -> None:
+        """Rows [0, rows) of cached target blocks become pending context: their features are in the store at
+        the blocks' slots (shared through the request's block table), projected at its first draft like a
+        prompt's. The drafter context K/V is per request, so each hit projects its rows once."""
+        self.append_pending_context(req_id, 0, rows)
+
     def release(self, req_id: int) -> None:
         if self._ctx.pop(req_id, None) is not None:
             self.pool.release(req_id)
@@ -103,10 +115,13 @@ class DFlashLane(LaneDraft):
         page_bytes = 2 * len(self.pool.k) * k[0].numel() * k.element_size()
         store = self.store
         total = 0
+        target_blocks: set[int] = set()  # distinct: prefix-cache hits share target blocks (and their rows)
         for rid in self._ctx:
             total += len(self.pool.table(rid)) * page_bytes
             if store is not None and rid in store.pool.seq_len:
-                total += len(store.pool.table(rid)) * store.pool.page_size * store.bytes_per_token()
+                target_blocks.update(store.pool.table(rid))
+        if store is not None:
+            total += len(target_blocks) * store.pool.page_size * store.bytes_per_token()
         return total
 
     # ---- rows: written to the store by the runner's forwards, staged by the runner, committed by the scheduler

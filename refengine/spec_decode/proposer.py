@@ -6,7 +6,8 @@ target forward writes the tap-layer features of its rows into the feature store 
 ran (`stage_features`; a plain decode step of speculating requests, one row each, in one call:
 `stage_step`). The scheduler, once it knows how many of those rows are committed, makes them drafter
 context (`commit_context` after a prefill, `commit_step` after such a decode step,
-`record_verify_dflash_context` after a verify). Staged rows that are not committed (rejected drafts, a
+`record_verify_dflash_context` after a verify; rows of prefix-cache blocks a prompt hit, which carry their
+features in the store, `attach_cached` before its prefill's). Staged rows that are not committed (rejected drafts, a
 failed step) are dropped; the next forward at their positions overwrites their store rows, as it does their
 K/V. The DFlash lane and the test proposers (tests/proposers.py) implement it; there is no base class until
 a second real draft method exists.
@@ -62,6 +63,14 @@ class Proposer(Protocol):
 
     def start_request(self, req_id: int, capacity: int) -> None:
         """A speculating request was admitted; its context will hold at most `capacity` rows."""
+
+    def can_start(self, capacities: list[int]) -> bool:
+        """Whether requests of these capacities can start now, together (asked at admission only with a
+        prefix cache: shared target blocks can admit more context than a per-request drafter pool holds)."""
+
+    def attach_cached(self, req_id: int, rows: int) -> None:
+        """The request's first `rows` positions came from prefix-cache blocks that carry tap features (in the
+        store at those blocks' slots): they become its context, before its prefill's rows are committed."""
 
     def release(self, req_id: int) -> None:
         """The request finished (or was aborted): free everything held for it."""

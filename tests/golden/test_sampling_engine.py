@@ -2,11 +2,11 @@
 
 On the trained tiny pair (real acceptance) and, with REFENGINE_TARGET_PATH / REFENGINE_DRAFT_PATH set, the
 real pair, CPU fp32: 24 requests of mixed settings (temperature 0.6 and 1.0, top-k, top-p, sampled and
-greedy drafts) give the same tokens when run again, when each runs alone, in every graph mode, and when
-another request's verify step fails after its forward and is rolled back; temperature 0 with top-k / top-p /
-seed set is exactly the greedy output; speculative sampling commits more than one token per verify step on
-the trained pair (drafts get accepted) with either kind of draft. Failures print the request and its first
-divergent position.
+greedy drafts) give the same tokens when run again, when each runs alone, in every graph mode, when another
+request's verify step fails after its forward and is rolled back, and when their prompts come from the
+prefix cache; temperature 0 with top-k / top-p / seed set is exactly the greedy output; speculative sampling
+commits more than one token per verify step on the trained pair (drafts get accepted) with either kind of
+draft. Failures print the request and its first divergent position.
 
     PYTHONPATH=. python -m pytest tests/golden/test_sampling_engine.py -q -p no:cacheprovider
 """
@@ -17,6 +17,7 @@ import random
 
 import pytest
 
+from conftest import model_pairs
 from refengine import SamplingParams
 from tests.adapter import assert_same_tokens, cpu_engine
 from tests.faults import FaultInjector
@@ -52,9 +53,9 @@ def reference(request, sampling_pair):
     return request.param, prompts, params, outputs(sampling_pair, prompts, params, draft_sampling=request.param)
 
 
-@pytest.fixture(scope="module")
-def sampling_pair(trained_pair):
-    return trained_pair
+@pytest.fixture(scope="module", params=[p for p in model_pairs() if p.name in ("tiny-trained", "real")], ids=str)
+def sampling_pair(request):
+    return request.param
 
 
 def assert_all_same(got: list[list[int]], want: list[list[int]], label: str) -> None:
@@ -100,3 +101,17 @@ def test_sampled_verify_accepts_drafts(trained_pair, mode):
     engine = cpu_engine(trained_pair.target, trained_pair.draft, draft_sampling=mode)
     stats = engine.spec_stats(engine.generate(prompts, params))
     assert stats.tau > 1.0, f"{mode} drafts at T 0.6: tau {stats.tau:.3f} over {stats.verify_steps} verify steps"
+
+
+def test_prefix_cache_hits_draw_the_same_tokens(reference, sampling_pair):
+    """The second run of the same prompts on one engine takes their full blocks from the prefix cache: the
+    prefill runs only past them, and its first token and every later one are drawn as without the cache."""
+    mode, prompts, params, want = reference
+    prompts = [p * 3 for p in prompts]  # long enough to fill whole KV blocks
+    engine = cpu_engine(sampling_pair.target, sampling_pair.draft, draft_sampling=mode, enable_prefix_caching=True)
+    cold = [r.output_ids for r in engine.generate(prompts, params)]
+    warm = engine.generate(prompts, params)
+    assert sum(r.cached_tokens for r in warm) > 0, "no request took a cached block"
+    assert_all_same([r.output_ids for r in warm], cold, f"{mode} drafts, prefix-cache hits")
+    plain = cpu_engine(sampling_pair.target, sampling_pair.draft, draft_sampling=mode)
+    assert_all_same(cold, [r.output_ids for r in plain.generate(prompts, params)], f"{mode} drafts, cache on vs off")
