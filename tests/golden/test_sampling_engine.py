@@ -53,7 +53,9 @@ def reference(request, sampling_pair):
     return request.param, prompts, params, outputs(sampling_pair, prompts, params, draft_sampling=request.param)
 
 
-@pytest.fixture(scope="module", params=[p for p in model_pairs() if p.name in ("tiny-trained", "real")], ids=str)
+@pytest.fixture(
+    scope="module", params=[p for p in model_pairs() if p.name in ("tiny-trained", "real")], ids=lambda p: p.name
+)
 def sampling_pair(request):
     return request.param
 
