@@ -162,6 +162,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kw["dtype"] = args.dtype
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     return EngineConfig(str(target), draft_path=str(draft) if draft else None, device=device, **kw)
 
 
@@ -222,6 +224,13 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     s.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     s.add_argument("--max-num-seqs", type=int, help="running batch cap (default: the engine's)")
+    s.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: the share of the device's memory this server plans for (default: the engine's); give each "
+        "server on a shared device its own share",
+    )
     s.add_argument(
         "--speculation",
         choices=["fixed", "adaptive"],

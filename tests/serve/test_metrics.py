@@ -1,8 +1,8 @@
 """/metrics: the exposition parses with prometheus_client's own parser, label values are escaped (a served
 model name holding a quote, a backslash or a newline round-trips), and the span policy's chosen spans are
 exported (refengine_spec_span_steps_total per span, refengine_spec_policy_errors_total) for
-`--speculation fixed` and `adaptive`; `refengine serve --speculation` and `--draft-sampling` reach
-EngineConfig.speculation and EngineConfig.draft_sampling.
+`--speculation fixed` and `adaptive`; `refengine serve --speculation`, `--draft-sampling` and
+`--gpu-memory-utilization` reach EngineConfig.
 CPU, fp32, the trained tiny pair.
 
 Run: python -m pytest -q tests/serve/test_metrics.py
@@ -81,7 +81,7 @@ def test_adaptive_spans_exported():
     assert got == {k: float(v) for k, v in want["spans"].items()}, f"exported {got} != Engine.span_stats {want}"
 
 
-def test_serve_speculation_flag():
+def test_serve_engine_flags():
     base = ["serve", "--device", "cpu", "--model", str(PAIR / "target")]
     base += ["--dflash-draft-model-path", str(PAIR / "draft")]
     assert engine_config(build_parser().parse_args(base)).speculation == "fixed"
@@ -90,3 +90,6 @@ def test_serve_speculation_flag():
     assert engine_config(args).draft_sampling == "sampled"
     args = build_parser().parse_args([*base, "--draft-sampling", "greedy"])
     assert engine_config(args).draft_sampling == "greedy", engine_config(args)
+    default = engine_config(build_parser().parse_args(base)).gpu_memory_utilization
+    args = build_parser().parse_args([*base, "--gpu-memory-utilization", "0.4"])
+    assert engine_config(args).gpu_memory_utilization == 0.4 != default, engine_config(args)
