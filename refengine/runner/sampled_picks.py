@@ -15,13 +15,13 @@ import torch
 
 from refengine.request import Request
 from refengine.sampling.processing import processed_probs, sample_inverse_cdf
-from refengine.sampling.streams import ACCEPT, DRAFT, FINAL, uniforms
+from refengine.sampling.streams import ACCEPT, DRAFT, FINAL, uniform_rows
 from refengine.spec_decode.accept_sampled import accept_speculative
 
 
 def _stream(reqs: list[Request], starts: list[int], width: int, purpose: int) -> np.ndarray:
     """[N, width] uniforms: request i's at positions starts[i] + 1 .. starts[i] + width."""
-    return np.stack([uniforms(r.seed, range(s + 1, s + 1 + width), purpose) for r, s in zip(reqs, starts)])
+    return uniform_rows([r.seed for r in reqs], starts, width, purpose)
 
 
 def draw_rows(target, reqs: list[Request], starts: list[int], hidden: torch.Tensor) -> list[int]:

@@ -30,7 +30,19 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def uniforms(seed: int, positions: Sequence[int], purpose: int) -> np.ndarray:
     """float64 uniforms in [0, 1), one per position, for `purpose` of the request seeded `seed`."""
+    return uniform_rows([seed], [0], 0, purpose, positions)[0]
+
+
+def uniform_rows(
+    seeds: Sequence[int], starts: Sequence[int], width: int, purpose: int, positions: Sequence[int] | None = None
+) -> np.ndarray:
+    """[N, width] float64 uniforms: request i's (seeded seeds[i]) at positions starts[i] + 1 .. starts[i] +
+    width, for `purpose`, in one vectorised pass (`positions`: explicit ones instead, for one request)."""
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
-        key = _mix(np.array([seed], dtype=np.uint64) ^ (np.uint64(purpose) * _PURPOSE))
-        x = _mix(key ^ (np.asarray(positions, dtype=np.uint64) * _POSITION))
+        keys = _mix(np.asarray(seeds, dtype=np.uint64) ^ (np.uint64(purpose) * _PURPOSE))[:, None]  # [N, 1]
+        if positions is not None:
+            pos = np.asarray(positions, dtype=np.uint64)[None, :]
+        else:
+            pos = np.asarray(starts, dtype=np.uint64)[:, None] + np.arange(1, width + 1, dtype=np.uint64)[None, :]
+        x = _mix(keys ^ (pos * _POSITION))
     return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)

@@ -3,7 +3,7 @@ accept_speculative (refengine/spec_decode/accept_sampled.py) commits exactly gol
 for 600 random (p, q, drafts, uniforms) cases, sampled and greedy (one-hot) drafts, spans 1..S in one batch;
 its picks give back m under accept_greedy; processed_probs equals golden's process_logits on random rows and
 every top-k / top-p setting, ties included; sample_inverse_cdf equals golden's; the random streams are
-deterministic, distinct by purpose, position and seed, and uniform.
+deterministic, distinct by purpose, position and seed, uniform, and the batched rows equal each request's own.
 
     PYTHONPATH=. python -m pytest tests/unit/test_accept_sampled.py -q -p no:cacheprovider
 """
@@ -19,7 +19,7 @@ from golden.distribution.speculative import sample_inverse_cdf as golden_inverse
 from golden.distribution.speculative import speculative_step
 from refengine.request import SamplingParams
 from refengine.sampling.processing import processed_probs, sample_inverse_cdf
-from refengine.sampling.streams import ACCEPT, DRAFT, FINAL, uniforms
+from refengine.sampling.streams import ACCEPT, DRAFT, FINAL, uniform_rows, uniforms
 from refengine.spec_decode.accept import accept_greedy
 from refengine.spec_decode.accept_sampled import accept_speculative
 
@@ -104,3 +104,11 @@ def test_streams_are_keyed_and_uniform():
     counts = np.histogram(big, bins=20, range=(0, 1))[0]
     chi2 = ((counts - 10_000) ** 2 / 10_000).sum()
     assert chi2 < 50, f"chi-square {chi2:.1f} on 19 degrees of freedom: the stream is not uniform"
+
+
+def test_stream_rows_equal_each_request_alone():
+    seeds, starts = [3, 2**63 - 1, 0, 12345], [0, 7, 100, 2**40]
+    rows = uniform_rows(seeds, starts, 5, ACCEPT)
+    for i, (seed, start) in enumerate(zip(seeds, starts)):
+        alone = uniforms(seed, range(start + 1, start + 6), ACCEPT)
+        assert np.array_equal(rows[i], alone), f"request {i}: {rows[i]} vs {alone}"
