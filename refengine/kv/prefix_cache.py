@@ -42,7 +42,7 @@ class CachedBlock:
 
 @dataclass
 class PrefixCacheStats:
-    """Counters since the engine started (tokens are prompt tokens of admitted requests)."""
+    """Counters since the engine started (lookups of committed prefills: a retried one counts once)."""
 
     queries: int = 0  # requests looked up
     hits: int = 0  # requests that got at least one block

@@ -81,8 +81,6 @@ class Admission(PrefixSharing):
             self.waiting.popleft()
             self.pool.admit(req.request_id, lifetime, hit, keys)
             self.pool.extend(req.request_id, len(req.prompt_ids) - cached)
-            if self.pool.prefix_cache is not None:
-                self.pool.prefix_cache.record_lookup(len(req.prompt_ids), cached)
             req.status, req.cached_tokens = RequestStatus.RUNNING, cached
             admitted.append((req, cached))
             tokens += len(req.prompt_ids) - cached

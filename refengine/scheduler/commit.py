@@ -57,6 +57,8 @@ class StepCommit(StepRecovery):
                     if cached:
                         self.active_proposer.attach_cached(req.request_id, cached)
                     self.active_proposer.commit_context(req.request_id, cached, len(req.prompt_ids) - cached)
+                if self.pool.prefix_cache is not None:  # counted once committed: a retried prefill looks up again
+                    self.pool.prefix_cache.record_lookup(len(req.prompt_ids), plan.cached_tokens(i))
                 self._append(req, [result.argmax[i][-1]])
         elif isinstance(plan, DecodePlan):
             if plan.capture:  # drafting requests at span 1: each row's features become drafter context

@@ -3,8 +3,9 @@
 double-freed: integrity (reference counts against the tables, the cache's blocks evictable exactly when no
 table holds them, nothing both cached and free) holds after every step (conftest), and once every request
 is done every block is free or cached-and-evictable, no reference is left, and the requests outside the
-failed plans produce exactly their cache-off bs=1 outputs. A rolled-back prefill's blocks are never cached,
-and check_integrity names a drafting request holding a cached block without tap features. Admission waits
+failed plans produce exactly their cache-off bs=1 outputs. A rolled-back prefill's blocks are never cached
+(nor its lookup counted twice in the stats), and check_integrity names a drafting request holding a cached
+block without tap features. Admission waits
 for the drafter's per-request pages that shared target blocks do not bring (a broken engine without that
 check fails its requests).
 
@@ -109,6 +110,8 @@ def test_a_rolled_back_prefill_caches_nothing(random_pair):
     assert inj.fired == 1 and engine.pool.prefix_cache.num_cached == 0, "a failed prefill's blocks were cached"
     _drain_clean(engine)
     assert req.finish_reason is FinishReason.LENGTH and engine.pool.prefix_cache.num_cached > 0
+    stats = engine.prefix_cache_stats()
+    assert stats["queries"] == 1, f"the retried prefill's lookup counted twice: {stats}"
 
 
 def test_integrity_catches_a_drafting_request_on_featureless_blocks(random_pair):
