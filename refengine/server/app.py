@@ -27,7 +27,7 @@ from refengine.errors import RefEngineError
 from refengine.request import SamplingParams
 from refengine.server.checks import Checker, bad, validate
 from refengine.server.config import ServerConfig
-from refengine.server.generate import ClientGone, first_updates, run_one, stream_response, usage
+from refengine.server.generate import ClientGone, caching, first_updates, run_one, stream_response, usage
 from refengine.server.guard import Guard, read_body
 from refengine.server.loop import EngineLoop, Stream
 from refengine.server.metrics import CONTENT_TYPE, render_metrics
@@ -157,11 +157,11 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
 
             return stream_response(loop, detok, streams, firsts, prep, http, chunk, lambda u: head([], usage=u))
 
-        async def one(i: int, ids: list[int], prompt_text: str, stream: Stream | None) -> tuple[dict, int]:
-            text, lp, finish, n_gen = "", None, "length", 0
+        async def one(i: int, ids: list[int], prompt_text: str, stream: Stream | None) -> tuple[dict, int, int]:
+            text, lp, finish, n_gen, cached = "", None, "length", 0, 0
             if stream is not None:
                 c = await run_one(loop, detok, stream, prep, http)
-                st, finish = c.state, c.finish or "abort"
+                st, finish, cached = c.state, c.finish or "abort", c.cached_tokens
                 kept = st.kept_ids
                 text, n_gen = st.text, len(kept)
                 if n_lp is not None:
@@ -181,7 +181,7 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                     "text_offset": offs,
                 }
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
-            return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen
+            return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen, cached
 
         # choice i * n + j is prompt i's j-th (OpenAI's order); each has its own stream
         prompts = [ids for ids in prep.prompts for _ in range(prep.n)]
@@ -197,7 +197,9 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                     loop.abort(s, "another prompt of the request failed")
             raise
         p_tok = sum(len(p) for p in prep.prompts)
-        return JSONResponse(head([c for c, _ in results], usage=usage(p_tok, sum(n for _, n in results))))
+        # each prompt counts once in prompt_tokens, and so in cached_tokens: as its first choice's (index i*n)
+        cached = sum(results[i][2] for i in range(0, len(results), prep.n)) if caching(loop) else None
+        return JSONResponse(head([c for c, _, _ in results], usage=usage(p_tok, sum(n for _, n, _ in results), cached)))
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request) -> Response:
@@ -241,6 +243,7 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
             for j, c in enumerate(done)
         ]
         n_gen = sum(len(c.state.kept_ids) for c in done)
-        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen)))
+        cached = done[0].cached_tokens if caching(loop) else None
+        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen, cached)))
 
     return Guard(app, cfg)

@@ -37,8 +37,17 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def usage(p: int, c: int) -> dict[str, int]:
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def caching(loop: EngineLoop) -> bool:
+    """Whether the engine has a prefix cache (then usage reports prompt_tokens_details.cached_tokens)."""
+    return bool(loop.engine.config.enable_prefix_caching)
+
+
+def usage(p: int, c: int, cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached` (the prefix cache is on): prompt tokens read from it, in prompt_tokens_details."""
+    out: dict[str, Any] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 @dataclass
@@ -48,8 +57,10 @@ class Choice:
     state: TextState
     rows: list[TopK] = field(default_factory=list)
     finish: str | None = None
+    cached_tokens: int = 0  # of its prompt, from the prefix cache
 
     def feed(self, upd: Update) -> None:
+        self.cached_tokens = upd.cached_tokens
         self.state.add(upd.token_ids)
         self.rows += upd.topk
         if self.state.stopped:
@@ -173,7 +184,8 @@ def stream_response(
                         loop.abort(streams[i], "stop reached")  # its KV is freed while the others run on
             if prep.include_usage:
                 n_gen = sum(len(c.state.kept_ids) for c in choices)
-                yield sse(usage_chunk(usage(len(streams[0].prompt_ids), n_gen)))
+                cached = choices[0].cached_tokens if caching(loop) else None  # the prompt counts once, as choice 0's
+                yield sse(usage_chunk(usage(len(streams[0].prompt_ids), n_gen, cached)))
             yield "data: [DONE]\n\n"
         except ApiError as e:
             yield sse(e.body())

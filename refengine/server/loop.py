@@ -39,6 +39,7 @@ class Update:
     topk: list[TopK] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: ApiError | None = None
+    cached_tokens: int = 0  # prompt tokens the request took from the prefix cache (Request.cached_tokens)
 
     @property
     def final(self) -> bool:
@@ -253,7 +254,8 @@ class EngineLoop:
             if req.finish_reason is FinishReason.ERROR:  # the engine failed the request's steps itself
                 live.stream.push(Update(error=internal_error(req.message or "engine error")))
             else:
-                live.stream.push(Update(list(new), list(rows), req.finish_reason if req.finished else None))
+                finish = req.finish_reason if req.finished else None
+                live.stream.push(Update(list(new), list(rows), finish, cached_tokens=req.cached_tokens))
             if req.finished:
                 del self._live[rid]
                 self._close(live.stream)
