@@ -46,6 +46,22 @@ def gpu_engine(target, draft=None, proposer=None, shared_target=None, span_polic
     )
 
 
+def sampled_params(cfg, n: int, seed: int, max_tokens: int) -> list[SamplingParams]:
+    """n requests' SamplingParams under golden's SamplingConfig `cfg` (temperature, top-k, top-p), request i
+    seeded seed * 10_000 + i, every one `max_tokens` long (ignore_eos: the distribution gate's positions)."""
+    return [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            seed=seed * 10_000 + i,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
+
+
 def score_sequences(engine: Engine, sequences: list[tuple[str, list[int], list[int]]], k: int = 8) -> list[TopKRecord]:
     """Teacher-force each (name, prompt, continuation) through Engine.score, all together: the prompt through
     prefill, the continuation through decode steps. One top-k row per position."""

@@ -49,6 +49,19 @@ def run_until(engine, reqs) -> None:
         engine.step()
 
 
+def first_then_together(prompts: list[list[int]], max_tokens: int):
+    """A flow: prompts[0] runs to its end (its blocks cached), then every other prompt is added at once."""
+
+    def flow(engine):
+        first = engine.add_request(prompts[0], params(max_tokens))
+        run_until(engine, [first])
+        reqs = [first] + [engine.add_request(p, params(max_tokens)) for p in prompts[1:]]
+        run_until(engine, reqs)
+        return reqs
+
+    return flow
+
+
 def record_drafts(engine) -> tuple[dict[int, list[tuple[int, list[int]]]], dict[int, torch.Tensor]]:
     """Every draft the proposer makes, per request: (position of the current token, drafts); and the logits
     of each request's first draft (its first use of the context a hit brings) [B-1, V]."""

@@ -109,5 +109,15 @@ def oracle(block_size: int, vocab_size: int) -> ReplayProposer:
     return ReplayProposer(block_size, vocab_size)
 
 
+def oracle_runs(max_tokens: int, block_size: int) -> list[int]:
+    """What an oracle's verify steps commit under fixed spans, sorted: the first token comes from the
+    prefill, then each step commits min(B, remaining) tokens exactly."""
+    runs, left = [], max_tokens - 1
+    while left > 0:
+        runs.append(min(block_size, left))
+        left -= runs[-1]
+    return sorted(runs)
+
+
 def garbage(block_size: int, vocab_size: int) -> ReplayProposer:
     return ReplayProposer(block_size, vocab_size, corrupt=lambda req_id, step, j: j == 1)

@@ -13,7 +13,7 @@
   divergence both picks (spec's and baseline's) must be within the band, so either side being wrong fails.
 - acceptance: tau over the greedy run from the server's /metrics before and after, against the acceptance
   golden's tau within a relative tolerance.
-- sampling: skipped (the sampling issue has not landed).
+- sampling: skipped; sampled outputs are gated offline by `python -m golden check distribution`.
 """
 
 from __future__ import annotations
@@ -261,4 +261,8 @@ def check_acceptance(ctx: Context, rel_tol: float) -> CheckResult:
 
 
 def check_sampling() -> CheckResult:
-    return CheckResult("sampling", SKIP, "the sampling issue has not landed: no distributional gate yet")
+    return CheckResult(
+        "sampling",
+        SKIP,
+        "not checked over HTTP: gate sampled outputs with `python -m golden check distribution` (docs/GOLDEN.md)",
+    )

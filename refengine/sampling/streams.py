@@ -28,21 +28,21 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _hash(seeds: np.ndarray, positions: np.ndarray, purpose: int) -> np.ndarray:
+    """seeds [N, 1], positions [N, W] (uint64) -> float64 uniforms [N, W] in [0, 1)."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        keys = _mix(seeds ^ (np.uint64(purpose) * _PURPOSE))
+        x = _mix(keys ^ (positions * _POSITION))
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def uniforms(seed: int, positions: Sequence[int], purpose: int) -> np.ndarray:
     """float64 uniforms in [0, 1), one per position, for `purpose` of the request seeded `seed`."""
-    return uniform_rows([seed], [0], 0, purpose, positions)[0]
+    return _hash(np.array([[seed]], dtype=np.uint64), np.asarray(positions, dtype=np.uint64)[None, :], purpose)[0]
 
 
-def uniform_rows(
-    seeds: Sequence[int], starts: Sequence[int], width: int, purpose: int, positions: Sequence[int] | None = None
-) -> np.ndarray:
-    """[N, width] float64 uniforms: request i's (seeded seeds[i]) at positions starts[i] + 1 .. starts[i] +
-    width, for `purpose`, in one vectorised pass (`positions`: explicit ones instead, for one request)."""
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
-        keys = _mix(np.asarray(seeds, dtype=np.uint64) ^ (np.uint64(purpose) * _PURPOSE))[:, None]  # [N, 1]
-        if positions is not None:
-            pos = np.asarray(positions, dtype=np.uint64)[None, :]
-        else:
-            pos = np.asarray(starts, dtype=np.uint64)[:, None] + np.arange(1, width + 1, dtype=np.uint64)[None, :]
-        x = _mix(keys ^ (pos * _POSITION))
-    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+def uniform_rows(seeds: Sequence[int], starts: Sequence[int], width: int, purpose: int) -> np.ndarray:
+    """[N, width] uniforms, request i's (seeded seeds[i]) at positions starts[i] + 1 .. starts[i] + width: a
+    step's draws for every request in one vectorised pass."""
+    pos = np.asarray(starts, dtype=np.uint64)[:, None] + np.arange(1, width + 1, dtype=np.uint64)[None, :]
+    return _hash(np.asarray(seeds, dtype=np.uint64)[:, None], pos, purpose)

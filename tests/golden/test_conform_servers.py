@@ -59,7 +59,7 @@ def test_real_server_spec_on_with_baseline_passes(spec_server, plain_server):
     assert st == {**dict.fromkeys(CHECKS[:5], "pass"), "sampling": "skip"}, text
     acc = result["checks"]["acceptance"]
     assert acc["verify_steps"] > 0 and abs(acc["delta"]) < 1e-9, text  # fp32 CPU: tau equals the golden's
-    assert "sampling issue has not landed" in result["checks"]["sampling"]["summary"]
+    assert "golden check distribution" in result["checks"]["sampling"]["summary"]
 
 
 def test_real_server_spec_off_passes_and_says_why_acceptance_is_skipped(plain_server):

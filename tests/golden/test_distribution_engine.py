@@ -32,11 +32,10 @@ from golden.distribution.gate import distribution_gate
 from golden.distribution.processing import SamplingConfig
 from golden.distribution.records import SampleRecord
 from golden.distribution.stats import ks_sample_size
-from refengine import SamplingParams
 from refengine.runner import sampled_picks, verify_step
 from refengine.sampling.processing import sample_inverse_cdf
 from refengine.spec_decode.accept_sampled import accept_speculative
-from tests.adapter import cpu_engine
+from tests.adapter import cpu_engine, sampled_params
 from tests.span_policies import ScriptedSpans
 
 pytest.importorskip("transformers")
@@ -49,17 +48,7 @@ PAIRS = [p for p in model_pairs() if p.name in ("tiny-trained", "real")]
 def sample(pair, cfg: SamplingConfig, draft_sampling: str, prompts: int, seed: int, **engine_kw) -> list[SampleRecord]:
     rng = random.Random(seed)
     ids = [[rng.randrange(3, 400) for _ in range(rng.randint(2, 14))] for _ in range(prompts)]
-    params = [
-        SamplingParams(
-            max_tokens=TOKENS,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            seed=seed * 10_000 + i,
-            ignore_eos=True,
-        )
-        for i in range(prompts)
-    ]
+    params = sampled_params(cfg, prompts, seed, TOKENS)
     engine = cpu_engine(pair.target, pair.draft, max_num_seqs=32, draft_sampling=draft_sampling, **engine_kw)
     done = engine.generate(ids, params)
     assert engine.spec_stats(done).verify_steps > 0, "the engine never speculated"

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from golden.regen import load_golden
 from refengine import FinishReason, SamplingParams
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
-from tests.proposers import ReplayProposer, garbage, oracle
+from tests.proposers import ReplayProposer, garbage, oracle, oracle_runs
 
 B = 16
 BUDGETS = [1, 2, B - 1, B, B + 1, 2 * B + 3, 40]
@@ -121,13 +121,8 @@ def test_lossless_oracle_proposer_commits_every_span(random_pair):
     prompts = _prompts(random_pair, 7, seed=2)
     reqs = _run_with_proposer(random_pair, oracle(B, 1024), prompts, BUDGETS)
     for r, m in zip(reqs, BUDGETS):
-        # the first token comes from prefill; then each verify commits min(B, remaining) tokens exactly
-        expected, left = [], m - 1
-        while left > 0:
-            expected.append(min(B, left))
-            left -= expected[-1]
-        got = sorted(r.spec.accepted_hist.elements())
-        assert got == sorted(expected), f"max_tokens {m}: committed runs {got}, expected {sorted(expected)}"
+        got, expected = sorted(r.spec.accepted_hist.elements()), oracle_runs(m, B)
+        assert got == expected, f"max_tokens {m}: committed runs {got}, expected {expected}"
 
 
 def test_lossless_garbage_proposer_tau_is_one(random_pair):

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.prefix_scenarios import PAGE, QUESTIONS, SYSTEM, chat, check, ids, params, run_both, run_until
+from tests.prefix_scenarios import (
+    PAGE,
+    QUESTIONS,
+    SYSTEM,
+    chat,
+    check,
+    first_then_together,
+    ids,
+    params,
+    run_both,
+    run_until,
+)
 
 
 def test_lossless_prefix_cache_shared_system_prompt(model_pair):
@@ -146,14 +157,6 @@ def test_lossless_prefix_cache_featureless_blocks(model_pair):
 
 
 def test_lossless_prefix_cache_plain_engine(model_pair):
-    prompts = [chat(model_pair, q) for q in QUESTIONS[:5]]
-
-    def flow(engine):
-        first = engine.add_request(prompts[0], params(16))
-        run_until(engine, [first])
-        reqs = [first] + [engine.add_request(p, params(16)) for p in prompts[1:]]
-        run_until(engine, reqs)
-        return reqs
-
+    flow = first_then_together([chat(model_pair, q) for q in QUESTIONS[:5]], 16)
     got = [r.cached_tokens for r in check(run_both(model_pair, flow, draft=False), "plain engine")]
     assert got[0] == 0 and all(got[1:]), f"cached tokens {got}"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from refengine import SamplingParams
 from tests.adapter import assert_same_tokens, cpu_engine, greedy
-from tests.proposers import ReplayProposer, oracle
+from tests.proposers import ReplayProposer, oracle, oracle_runs
 
 B = 16
 
@@ -56,12 +56,8 @@ def _run(pair, proposer, prompts, budgets) -> list:
 def test_lossless_prefix_cache_oracle_commits_every_span(model_pair):
     budgets = [1, B - 1, B, B + 1, 2 * B + 3, 40]
     for r, m in zip(_run(model_pair, oracle(B, _vocab(model_pair)), _prompts(0), budgets), budgets):
-        expected, left = [], m - 1
-        while left > 0:
-            expected.append(min(B, left))
-            left -= expected[-1]
-        got = sorted(r.spec.accepted_hist.elements())
-        assert got == sorted(expected), f"cached {r.cached_tokens}, max_tokens {m}: runs {got}, want {sorted(expected)}"
+        got, expected = sorted(r.spec.accepted_hist.elements()), oracle_runs(m, B)
+        assert got == expected, f"cached {r.cached_tokens}, max_tokens {m}: runs {got}, want {expected}"
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

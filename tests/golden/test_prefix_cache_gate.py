@@ -21,7 +21,7 @@ from refengine.kv.pool import KvPool
 from refengine.kv.prefix_cache import PrefixCache
 from refengine.spec_decode.lane import DFlashLane
 from tests.adapter import assert_same_tokens, cpu_engine
-from tests.prefix_scenarios import QUESTIONS, chat, mismatches, params, run_both, run_until
+from tests.prefix_scenarios import QUESTIONS, chat, first_then_together, mismatches, params, run_both, run_until
 
 
 def _skip_cached_context(self, req_id: int, rows: int) -> None:
@@ -29,16 +29,7 @@ def _skip_cached_context(self, req_id: int, rows: int) -> None:
 
 
 def _concurrent_chats(pair):
-    prompts = [chat(pair, q) for q in QUESTIONS]
-
-    def flow(engine):
-        first = engine.add_request(prompts[0], params(24))
-        run_until(engine, [first])
-        reqs = [first] + [engine.add_request(p, params(24)) for p in prompts[1:]]
-        run_until(engine, reqs)
-        return reqs
-
-    return flow
+    return first_then_together([chat(pair, q) for q in QUESTIONS], 24)
 
 
 def test_gate_fails_a_hit_that_skips_the_drafter_context(model_pair):

@@ -21,7 +21,7 @@ from golden.distribution.processing import SamplingConfig
 from golden.distribution.records import SampleRecord
 from golden.distribution.stats import ks_sample_size
 from refengine import SamplingParams
-from tests.adapter import first_divergence, gpu_engine
+from tests.adapter import first_divergence, gpu_engine, sampled_params
 
 pytestmark = pytest.mark.gpu
 
@@ -35,17 +35,7 @@ def workload(n: int, seed: int) -> list[list[int]]:
 
 
 def params(cfg: SamplingConfig, n: int, seed: int) -> list[SamplingParams]:
-    return [
-        SamplingParams(
-            max_tokens=TOKENS,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            seed=seed * 10_000 + i,
-            ignore_eos=True,
-        )
-        for i in range(n)
-    ]
+    return sampled_params(cfg, n, seed, TOKENS)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p.name)
