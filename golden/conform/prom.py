@@ -4,6 +4,8 @@ Counters read (summed over every label set, so a multi-engine server is summed):
 
 - refengine (docs/SERVING.md, Metrics): the histogram `refengine_spec_accepted_length` (committed length per
   verify step): `_sum` = committed tokens, `_count` = verify steps; tau = d(sum) / d(count).
+  refengine's `refengine_spec_span_steps_total{span="1"}` counts request-steps its span policy
+  (`--speculation adaptive`) decoded plainly: a window with any is not the drafter's tau (the check skips, saying so).
 - vLLM (https://docs.vllm.ai/en/stable/usage/metrics.html, SpecDecodingProm): counters
   `vllm:spec_decode_num_drafts_total` and `vllm:spec_decode_num_accepted_tokens_total`;
   tau = 1 + d(accepted) / d(drafts) (the bonus token counted, as refengine's committed length is).
@@ -17,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 REFENGINE_HIST = "refengine_spec_accepted_length"
+REFENGINE_SPAN_STEPS = "refengine_spec_span_steps_total"
 VLLM_DRAFTS, VLLM_ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
 
@@ -45,6 +48,19 @@ def parse_samples(text: str) -> dict[str, float]:
     return out
 
 
+def labelled_sum(text: str, name: str, label: str, value: str) -> float:
+    """The sum of metric `name`'s samples whose `label` is `value` (0.0 when there are none)."""
+    want, total = f'{label}="{value}"', 0.0
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(name + "{") and want in line.partition("{")[2].rsplit("}", 1)[0].split(","):
+            try:
+                total += float(line.rsplit("}", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                continue
+    return total
+
+
 def server_kind(text: str | None) -> str:
     """refengine, vllm, sglang or unknown, from the metric names a /metrics page carries."""
     if text is None:
@@ -63,13 +79,15 @@ class SpecCounters:
     committed: float | None
     steps: float | None
     average: float | None = None  # SGLang's running average, when that is all there is
+    plain_steps: float = 0.0  # refengine: request-steps the span policy decoded plainly (span 1)
 
     @classmethod
     def read(cls, text: str | None) -> SpecCounters:
         kind = server_kind(text)
         s = parse_samples(text or "")
         if kind == "refengine" and f"{REFENGINE_HIST}_count" in s:
-            return cls(kind, s.get(f"{REFENGINE_HIST}_sum", 0.0), s[f"{REFENGINE_HIST}_count"])
+            plain = labelled_sum(text or "", REFENGINE_SPAN_STEPS, "span", "1")
+            return cls(kind, s.get(f"{REFENGINE_HIST}_sum", 0.0), s[f"{REFENGINE_HIST}_count"], plain_steps=plain)
         if kind == "vllm" and VLLM_DRAFTS in s:
             drafts = s[VLLM_DRAFTS]
             return cls(kind, drafts + s.get(VLLM_ACCEPTED, 0.0), drafts)
@@ -84,6 +102,7 @@ class TauWindow:
     steps: float
     committed: float
     reason: str = ""
+    plain_steps: float = 0.0  # of `steps`, those a span policy decoded plainly (refengine, span 1)
 
 
 def tau_between(before: SpecCounters, after: SpecCounters) -> TauWindow:
@@ -93,4 +112,4 @@ def tau_between(before: SpecCounters, after: SpecCounters) -> TauWindow:
     steps, committed = after.steps - before.steps, after.committed - before.committed
     if steps <= 0:
         return TauWindow(None, steps, committed, "no verify steps during the run: the server is not speculating")
-    return TauWindow(committed / steps, steps, committed)
+    return TauWindow(committed / steps, steps, committed, plain_steps=after.plain_steps - before.plain_steps)

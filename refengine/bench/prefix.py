@@ -10,11 +10,13 @@ tokens a second, for plain decode and DFlash, with the cache on (`--enable-prefi
   finished; a turn's prompt is the last one + its output + a new question (the system prompt first).
 
 Token ids are random (seeded; ignore_eos), so outputs run their full --output-tokens. Each engine runs in
-this process, one after another (on CUDA, compare rows of separate runs with care: docs/ENGINE.md).
+this process, one after another, the last one freed before the next is built (on CUDA, compare rows of
+separate runs with care: docs/ENGINE.md).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import statistics
@@ -161,7 +163,19 @@ def run_workload(
             )
         rows[-1]["cache"] = engine.prefix_cache_stats()
         engine.close()
+        del engine, clock, warm
+        _release_device_memory(device)  # the next mode's engine plans its KV pools on what is free
     return rows
+
+
+def _release_device_memory(device: str) -> None:
+    """Free a closed engine's tensors before the next engine is built. capture_graphs froze the collector's
+    objects (gc.freeze), so a reference cycle through the engine would outlive it: unfreeze, collect, and hand
+    the allocator's cached blocks back."""
+    gc.unfreeze()
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 COLUMNS: tuple[str, ...] = ("mode", "prefix_caching", "concurrency", "requests", "ttft_ms_median", "ttft_ms_p90")

@@ -10,8 +10,11 @@ Run: PYTHONPATH=. python -m pytest tests/golden/test_conform_parse.py -q -p no:c
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from golden.conform.checks import SKIP, check_acceptance
 from golden.conform.parse import ResponseError, TokenMap, generated_ids, scored_sequence
 from golden.conform.prom import SpecCounters, parse_samples, server_kind, tau_between
 from golden.conform.textgate import text_regret_gate
@@ -127,6 +130,20 @@ def test_tau_over_a_window_for_refengine_and_vllm():
     )
     w = tau_between(v0, v1)
     assert (w.steps, w.tau) == (40.0, pytest.approx(1 + 80 / 40))
+
+
+def test_a_window_with_plainly_decoded_steps_is_skipped_not_failed():
+    """An adaptive server that chose span 1 (plain decode) has tau near 1: not the drafter's, so no verdict."""
+    span = "refengine_spec_span_steps_total"
+    spans = f'{span}{{model="m",span="1"}} %s\n{span}{{model="m",span="8"}} 2.0\n'
+    before = SpecCounters.read(REFENGINE + spans % "5.0")
+    after = SpecCounters.read(REFENGINE.replace("13.0", "23.0").replace("19.0", "35.0") + spans % "12.0")
+    w = tau_between(before, after)
+    assert (w.steps, w.plain_steps, w.tau) == (10.0, 7.0, pytest.approx(1.6))
+    r = check_acceptance(SimpleNamespace(tau=w), 0.1)  # type: ignore[arg-type]
+    assert r.status == SKIP and "decoded 7 of 10 verify steps plainly" in r.summary, r.summary
+    fixed = tau_between(SpecCounters.read(REFENGINE), SpecCounters.read(REFENGINE.replace("13.0", "23.0")))
+    assert fixed.plain_steps == 0.0
 
 
 def test_no_window_says_why():

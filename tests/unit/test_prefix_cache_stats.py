@@ -12,6 +12,7 @@ Run: python -m pytest -q tests/unit/test_prefix_cache_stats.py
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -116,6 +117,25 @@ def test_bench_workloads_cache_on_and_off(capsys, workload):
             assert r["tok_per_s"] > 0 and 0 < r["ttft_ms_median"] <= r["ttft_ms_p90"], r
             assert (r["cached_token_share"] > 0) == cache, f"cache {'on' if cache else 'off'}: {r}"
             assert (r["tau"] is None) == (r["mode"] == "plain"), r
+
+
+def test_bench_workload_frees_each_engine_before_the_next(monkeypatch, capsys):
+    """On a GPU the dflash engine plans its KV pools on the memory left free: the plain engine must be gone."""
+    import refengine.bench.prefix as prefix
+
+    built: list[weakref.ref] = []
+    make = prefix._engine
+
+    def tracked(*args, **kwargs):
+        alive = [i for i, ref in enumerate(built) if ref() is not None]
+        assert not alive, f"engines {alive} still alive when engine {len(built)} is built"
+        engine = make(*args, **kwargs)
+        built.append(weakref.ref(engine))
+        return engine
+
+    monkeypatch.setattr(prefix, "_engine", tracked)
+    assert main([*QUICK, "--workload", "shared-prefix", "--enable-prefix-caching"]) == 0, capsys.readouterr().err
+    assert len(built) == 2 and built[-1]() is None, "the last engine outlived the bench"
 
 
 def test_bench_refuses_the_switch_without_a_workload(capsys):
