@@ -12,7 +12,7 @@
 - baseline: spec on (--url) against spec off (--baseline-url), prompt by prompt, by the regret gate; at a
   divergence both picks (spec's and baseline's) must be within the band, so either side being wrong fails.
 - acceptance: tau over the greedy run from the server's /metrics before and after, against the acceptance
-  golden's tau within a relative tolerance; skipped when a span policy decoded any of the window's steps plainly.
+  golden's tau within a relative tolerance; skipped against an adaptive span policy (its tau is the policy's).
 - sampling: skipped; sampled outputs are gated offline by `python -m golden check distribution`.
 """
 
@@ -242,13 +242,13 @@ def check_acceptance(ctx: Context, rel_tol: float) -> CheckResult:
         return CheckResult("acceptance", SKIP, "the greedy check did not run: no window to read tau over")
     if w.tau is None:
         return CheckResult("acceptance", SKIP, w.reason, data={"steps": w.steps})
-    if w.plain_steps > 0:  # a span policy chose plain decode: the window's tau is the policy's, not the drafter's
+    if w.adaptive:  # spans chosen per step (some decoded plainly): the window's tau is the policy's
         return CheckResult(
             "acceptance",
             SKIP,
-            f"the server's span policy decoded {w.plain_steps:.0f} of {w.steps:.0f} verify steps plainly (span 1): "
-            f"tau {w.tau:.4f} is the policy's, not the drafter's; gate acceptance against fixed speculation "
-            "(refengine serve --speculation fixed, the default)",
+            f"the server chooses spans per step (--speculation adaptive; {w.plain_steps:.0f} of {w.steps:.0f} verify "
+            f"steps decoded plainly): tau {w.tau:.4f} is the policy's, not the drafter's; gate acceptance against "
+            "fixed speculation (refengine serve's default)",
             data={"tau": w.tau, "verify_steps": w.steps, "plain_steps": w.plain_steps},
         )
     names = {g.name for g in ctx.source.greedy}

@@ -4,8 +4,9 @@ Counters read (summed over every label set, so a multi-engine server is summed):
 
 - refengine (docs/SERVING.md, Metrics): the histogram `refengine_spec_accepted_length` (committed length per
   verify step): `_sum` = committed tokens, `_count` = verify steps; tau = d(sum) / d(count).
-  refengine's `refengine_spec_span_steps_total{span="1"}` counts request-steps its span policy
-  (`--speculation adaptive`) decoded plainly: a window with any is not the drafter's tau (the check skips, saying so).
+  refengine's `refengine_spec_span_policy{policy="adaptive"}` says spans are chosen per step (`--speculation
+  adaptive`, some steps decoded plainly: `refengine_spec_span_steps_total{span="1"}`): that tau is the policy's,
+  not the drafter's (the check skips, saying so).
 - vLLM (https://docs.vllm.ai/en/stable/usage/metrics.html, SpecDecodingProm): counters
   `vllm:spec_decode_num_drafts_total` and `vllm:spec_decode_num_accepted_tokens_total`;
   tau = 1 + d(accepted) / d(drafts) (the bonus token counted, as refengine's committed length is).
@@ -19,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 REFENGINE_HIST = "refengine_spec_accepted_length"
-REFENGINE_SPAN_STEPS = "refengine_spec_span_steps_total"
+REFENGINE_SPAN_STEPS, REFENGINE_SPAN_POLICY = "refengine_spec_span_steps_total", "refengine_spec_span_policy"
 VLLM_DRAFTS, VLLM_ACCEPTED = "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
 
@@ -80,6 +81,7 @@ class SpecCounters:
     steps: float | None
     average: float | None = None  # SGLang's running average, when that is all there is
     plain_steps: float = 0.0  # refengine: request-steps the span policy decoded plainly (span 1)
+    adaptive: bool = False  # refengine: the span policy chooses spans per step
 
     @classmethod
     def read(cls, text: str | None) -> SpecCounters:
@@ -87,7 +89,9 @@ class SpecCounters:
         s = parse_samples(text or "")
         if kind == "refengine" and f"{REFENGINE_HIST}_count" in s:
             plain = labelled_sum(text or "", REFENGINE_SPAN_STEPS, "span", "1")
-            return cls(kind, s.get(f"{REFENGINE_HIST}_sum", 0.0), s[f"{REFENGINE_HIST}_count"], plain_steps=plain)
+            adaptive = labelled_sum(text or "", REFENGINE_SPAN_POLICY, "policy", "adaptive") > 0
+            committed, steps = s.get(f"{REFENGINE_HIST}_sum", 0.0), s[f"{REFENGINE_HIST}_count"]
+            return cls(kind, committed, steps, plain_steps=plain, adaptive=adaptive)
         if kind == "vllm" and VLLM_DRAFTS in s:
             drafts = s[VLLM_DRAFTS]
             return cls(kind, drafts + s.get(VLLM_ACCEPTED, 0.0), drafts)
@@ -103,6 +107,7 @@ class TauWindow:
     committed: float
     reason: str = ""
     plain_steps: float = 0.0  # of `steps`, those a span policy decoded plainly (refengine, span 1)
+    adaptive: bool = False  # refengine's span policy chose spans per step
 
 
 def tau_between(before: SpecCounters, after: SpecCounters) -> TauWindow:
@@ -112,4 +117,5 @@ def tau_between(before: SpecCounters, after: SpecCounters) -> TauWindow:
     steps, committed = after.steps - before.steps, after.committed - before.committed
     if steps <= 0:
         return TauWindow(None, steps, committed, "no verify steps during the run: the server is not speculating")
-    return TauWindow(committed / steps, steps, committed, plain_steps=after.plain_steps - before.plain_steps)
+    plain = after.plain_steps - before.plain_steps
+    return TauWindow(committed / steps, steps, committed, plain_steps=plain, adaptive=after.adaptive)

@@ -60,6 +60,14 @@ class SnapshotCollector:
         for k, n in sorted(span.get("spans", {}).items(), key=lambda kv: int(kv[0])):
             spans.add_metric([m, str(k)], n)
         yield spans
+        policy = GaugeMetricFamily(
+            "refengine_spec_span_policy",
+            "1 for the span policy choosing verify spans (fixed: the drafter's block, cut to a request's budget; "
+            "adaptive: per step; off: no drafter).",
+            labels=["model", "policy"],
+        )
+        policy.add_metric([m, str(span.get("policy", "off"))], 1)
+        yield policy
         yield one(
             CounterMetricFamily,
             "spec_policy_errors",

@@ -132,18 +132,24 @@ def test_tau_over_a_window_for_refengine_and_vllm():
     assert (w.steps, w.tau) == (40.0, pytest.approx(1 + 80 / 40))
 
 
-def test_a_window_with_plainly_decoded_steps_is_skipped_not_failed():
-    """An adaptive server that chose span 1 (plain decode) has tau near 1: not the drafter's, so no verdict."""
-    span = "refengine_spec_span_steps_total"
-    spans = f'{span}{{model="m",span="1"}} %s\n{span}{{model="m",span="8"}} 2.0\n'
-    before = SpecCounters.read(REFENGINE + spans % "5.0")
-    after = SpecCounters.read(REFENGINE.replace("13.0", "23.0").replace("19.0", "35.0") + spans % "12.0")
-    w = tau_between(before, after)
-    assert (w.steps, w.plain_steps, w.tau) == (10.0, 7.0, pytest.approx(1.6))
+def test_an_adaptive_servers_window_is_skipped_not_failed():
+    """An adaptive server that chose span 1 (plain decode) has tau near 1: not the drafter's, so no verdict. A
+    fixed server's span-1 steps (a request's last token) are the drafter's block cut to budget: gated."""
+    span, policy = "refengine_spec_span_steps_total", "refengine_spec_span_policy"
+    spans = f'{span}{{model="m",span="1"}} %s\n{span}{{model="m",span="8"}} 2.0\n{policy}{{model="m",policy="%s"}} 1\n'
+    after_text = REFENGINE.replace("13.0", "23.0").replace("19.0", "35.0")
+    w = tau_between(
+        SpecCounters.read(REFENGINE + spans % ("5.0", "adaptive")),
+        SpecCounters.read(after_text + spans % ("12.0", "adaptive")),
+    )
+    assert (w.steps, w.plain_steps, w.tau, w.adaptive) == (10.0, 7.0, pytest.approx(1.6), True)
     r = check_acceptance(SimpleNamespace(tau=w), 0.1)  # type: ignore[arg-type]
-    assert r.status == SKIP and "decoded 7 of 10 verify steps plainly" in r.summary, r.summary
-    fixed = tau_between(SpecCounters.read(REFENGINE), SpecCounters.read(REFENGINE.replace("13.0", "23.0")))
-    assert fixed.plain_steps == 0.0
+    assert r.status == SKIP and "7 of 10 verify steps decoded plainly" in r.summary, r.summary
+    fixed = tau_between(
+        SpecCounters.read(REFENGINE + spans % ("5.0", "fixed")),
+        SpecCounters.read(after_text + spans % ("6.0", "fixed")),
+    )
+    assert (fixed.plain_steps, fixed.adaptive) == (1.0, False)
 
 
 def test_no_window_says_why():

@@ -67,6 +67,7 @@ def test_fixed_spans_exported(spec_server):
     assert want["policy"] == "fixed" and spans == {k: float(v) for k, v in want["spans"].items()}, (spans, want)
     assert max(int(k) for k in spans) > 1, f"no verify span > 1 under the fixed policy: {spans}"
     assert samples(text)[("refengine_spec_policy_errors_total", (("model", "tiny-trained"),))] == 0
+    assert samples(text)[("refengine_spec_span_policy", (("model", "tiny-trained"), ("policy", "fixed")))] == 1
     assert "shadow" not in text
 
 
@@ -77,8 +78,10 @@ def test_adaptive_spans_exported():
     loop._publish_snapshot()
     want = engine.span_stats()
     assert want["policy"] == "adaptive" and want["spans"], want
-    got = spans_of(render_metrics(loop.snapshot, "m"), "m")
+    text = render_metrics(loop.snapshot, "m")
+    got = spans_of(text, "m")
     assert got == {k: float(v) for k, v in want["spans"].items()}, f"exported {got} != Engine.span_stats {want}"
+    assert samples(text)[("refengine_spec_span_policy", (("model", "m"), ("policy", "adaptive")))] == 1
 
 
 def test_serve_engine_flags():
