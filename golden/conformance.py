@@ -4,7 +4,8 @@
 The options come from golden/conform/pytest_plugin.py (`-p golden.conform.pytest_plugin`, or its entry point
 once installed). The checks run once per pytest session; a failing check fails its test with the check's report (the
 numbers: first divergent position, regret, deltas); a check that could not run (no --conform-baseline-url, a
-server that exports no speculative counters, sampling, which is gated offline) is a skip carrying its reason.
+server that exports no speculative counters, a server without `token_ids` for sampling) or that
+--conform-checks left out is a skip carrying its reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from golden.conform.cli import CHECK_NAMES, EXIT_USAGE
 
 
 @pytest.fixture(scope="session")
-def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str]:
+def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str, list[str]]:
     try:
         from golden.conform.pytest_plugin import conform_argv
 
@@ -38,13 +39,16 @@ def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str]:
     result = json.loads(text.strip().splitlines()[-1])
     if code == EXIT_USAGE:
         pytest.fail(f"golden conform could not run:\n{text}")
-    return result, text
+    chosen = argv[argv.index("--checks") + 1].split(",") if "--checks" in argv else list(CHECK_NAMES)
+    return result, text, [c.strip() for c in chosen]
 
 
 @pytest.mark.parametrize("check", CHECK_NAMES)
-def test_conform(check: str, conform_run: tuple[dict, str]) -> None:
-    result, text = conform_run
+def test_conform(check: str, conform_run: tuple[dict, str, list[str]]) -> None:
+    result, text, chosen = conform_run
     got = result["checks"].get(check)
+    if got is None and check not in chosen:
+        pytest.skip(f"{check}: not in --conform-checks")
     if got is None:
         pytest.fail(f"check {check} did not run:\n{text}")
     if got["status"] == "skip":

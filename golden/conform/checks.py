@@ -13,7 +13,11 @@
   divergence both picks (spec's and baseline's) must be within the band, so either side being wrong fails.
 - acceptance: tau over the greedy run from the server's /metrics before and after, against the acceptance
   golden's tau within a relative tolerance; skipped against an adaptive span policy (its tau is the policy's).
-- sampling: skipped; sampled outputs are gated offline by `python -m golden check distribution`.
+- sampling (golden/conform/sampling.py): seeded sampled completions without logprobs (so a speculative
+  server speculates) with vLLM's `return_token_ids`, enough of them for the distribution gate's powered
+  sample size; their ids teacher-forced through HF into the oracle's conditionals and gated by
+  golden.distribution.gate.distribution_gate (KS, chi-square, impossible tokens). Skipped when the answers
+  carry no `token_ids`.
 """
 
 from __future__ import annotations
@@ -267,11 +271,3 @@ def check_acceptance(ctx: Context, rel_tol: float) -> CheckResult:
         f"relative delta {delta:+.4f} (tol {rel_tol})"
     )
     return CheckResult("acceptance", PASS if ok else FAIL, summary, data={**data, "golden_tau": golden, "delta": delta})
-
-
-def check_sampling() -> CheckResult:
-    return CheckResult(
-        "sampling",
-        SKIP,
-        "not checked over HTTP: gate sampled outputs with `python -m golden check distribution` (docs/GOLDEN.md)",
-    )

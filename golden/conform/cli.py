@@ -3,6 +3,8 @@
     python -m golden conform --url http://127.0.0.1:8000 --model tiny-trained --pair golden/data/tiny-trained
         [--baseline-url URL] [--tol bf16|fp32] [--tau-tol 0.1] [--prompts N] [--hf-model DIR]
         [--tokenizer FILE] [--server auto|refengine|vllm|sglang] [--checks topk,greedy,...] [--api-key KEY]
+        [--sampling-temperature 1.0] [--sampling-top-p 1.0] [--sampling-top-k 0] [--sampling-max-tokens 128]
+        [--sampling-seed 0] [--sampling-concurrency 16] [--sampling-ignore-eos]
 
 Prints one line per check (PASS / FAIL / SKIP with its reason / REPORT), the numbers of failures, then one
 JSON object as the last line. Exit code: 0 no check failed, 1 a check failed, 2 usage error or input that
@@ -24,14 +26,15 @@ from golden.conform.checks import (
     check_baseline,
     check_concurrency,
     check_greedy,
-    check_sampling,
     check_topk,
     guarded,
 )
 from golden.conform.client import Server
 from golden.conform.parse import TokenMap
 from golden.conform.prom import server_kind
+from golden.conform.sampling import DEFAULT_CONCURRENCY, DEFAULT_MAX_TOKENS, SamplingPlan, check_sampling
 from golden.conform.source import load_source
+from golden.distribution.processing import SamplingConfig
 from golden.errors import GoldenError
 from golden.gates import BF16, FP32
 
@@ -57,6 +60,20 @@ def add_conform_parser(sub) -> None:
     p.add_argument("--scorer-device", default="cpu", help="HF scorer device (default cpu)")
     p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    s = p.add_argument_group("sampling check", "seeded sampled completions gated by the distribution gate")
+    # top-p / top-k off by default: a bf16 server may keep a token on the filter boundary that the fp32 oracle
+    # cuts, which reads as impossible (docs/GOLDEN.md, "The distribution gate")
+    s.add_argument("--sampling-temperature", type=float, default=1.0, help="temperature (default 1.0)")
+    s.add_argument("--sampling-top-p", type=float, default=1.0, help="top_p (default 1.0: off)")
+    s.add_argument("--sampling-top-k", type=int, default=0, help="top_k (default 0: off; sent only when on)")
+    s.add_argument(
+        "--sampling-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"per request ({DEFAULT_MAX_TOKENS})"
+    )
+    s.add_argument("--sampling-seed", type=int, default=0, help="request i is seeded this + i (default 0)")
+    s.add_argument(
+        "--sampling-concurrency", type=int, default=DEFAULT_CONCURRENCY, help=f"in flight ({DEFAULT_CONCURRENCY})"
+    )
+    s.add_argument("--sampling-ignore-eos", action="store_true", help="send ignore_eos: answers run to max_tokens")
 
 
 def run_conform(args: argparse.Namespace, out=None) -> int:
@@ -68,6 +85,13 @@ def run_conform(args: argparse.Namespace, out=None) -> int:
             raise GoldenError(f"--checks: unknown {unknown} (known: {', '.join(CHECK_NAMES)})")
         if not args.tau_tol > 0:
             raise GoldenError(f"--tau-tol must be positive, got {args.tau_tol}")
+        plan = SamplingPlan(
+            SamplingConfig(args.sampling_temperature, args.sampling_top_k, args.sampling_top_p),
+            args.sampling_max_tokens,
+            args.sampling_concurrency,
+            args.sampling_seed,
+            args.sampling_ignore_eos,
+        )
         server = Server(args.url, args.model, args.timeout, args.api_key)
         baseline = Server(args.baseline_url, args.model, args.timeout, args.api_key) if args.baseline_url else None
         src = load_source(args.pair, args.hf_model, args.tokenizer, args.prompts, args.scorer_dtype, args.scorer_device)
@@ -84,7 +108,7 @@ def run_conform(args: argparse.Namespace, out=None) -> int:
         "concurrency": lambda: check_concurrency(ctx),
         "baseline": lambda: check_baseline(ctx, baseline),
         "acceptance": lambda: check_acceptance(ctx, args.tau_tol),
-        "sampling": check_sampling,
+        "sampling": lambda: check_sampling(server, src, plan),
     }
     print(
         f"golden conform: {args.url} ({kind} server, model {args.model}) vs pair {src.pair}: "

@@ -150,15 +150,22 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
         if prep.stream:  # one prompt (checks.py), its n choices
             streams = submit_choices([prep.prompts[0]] * prep.n, prep.choice_params())
             firsts = await first_updates(loop, streams, http)
+            started = [False] * len(streams)
 
             def chunk(i: int, text: str, ids: list[int], rows: list, offs: list[int], finish: str | None) -> dict:
                 lp = completion_logprobs(detok, ids, rows, n_lp, offs) if n_lp is not None else None
-                return head([{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
+                choice: dict[str, Any] = {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+                if prep.return_token_ids:  # vLLM's: the prompt's ids in a choice's first chunk, then delta ids
+                    if not started[i]:
+                        choice["prompt_token_ids"], started[i] = prep.prompts[0], True
+                    choice["token_ids"] = ids
+                return head([choice])
 
             return stream_response(loop, detok, streams, firsts, prep, http, chunk, lambda u: head([], usage=u))
 
         async def one(i: int, ids: list[int], prompt_text: str, stream: Stream | None) -> tuple[dict, int, int]:
             text, lp, finish, n_gen, cached = "", None, "length", 0, 0
+            kept: list[int] = []
             if stream is not None:
                 c = await run_one(loop, detok, stream, prep, http)
                 st, finish, cached = c.state, c.finish or "abort", c.cached_tokens
@@ -181,7 +188,10 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                     "text_offset": offs,
                 }
                 lp = {key: plp[key] + (lp[key] if lp else []) for key in plp}
-            return {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}, n_gen, cached
+            choice = {"index": i, "text": prompt_text + text, "logprobs": lp, "finish_reason": finish}
+            if prep.return_token_ids:
+                choice |= {"prompt_token_ids": ids, "token_ids": kept}
+            return choice, n_gen, cached
 
         # choice i * n + j is prompt i's j-th (OpenAI's order); each has its own stream
         prompts = [ids for ids in prep.prompts for _ in range(prep.n)]
@@ -214,14 +224,20 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
         if prep.stream:
             firsts = await first_updates(loop, streams, http)
             started = [False] * len(streams)
+            first_chunk = [True] * len(streams)
 
             def chunk(i: int, piece: str, tids: list[int], rows: list, _offs: list[int], finish: str | None) -> dict:
                 delta: dict[str, Any] = {"content": piece}
                 if not started[i]:
                     delta["role"], started[i] = "assistant", True
                 lp = chat_logprobs(detok, tids, rows, n_lp) if n_lp is not None else None
-                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
-                return head("chat.completion.chunk", [choice])
+                choice: dict[str, Any] = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                extra: dict[str, Any] = {}
+                if prep.return_token_ids:  # vLLM's: the prompt's ids with a choice's first chunk, then delta ids
+                    choice["token_ids"] = tids
+                    if first_chunk[i]:
+                        extra["prompt_token_ids"], first_chunk[i] = ids, False
+                return head("chat.completion.chunk", [choice], **extra)
 
             return stream_response(
                 loop, detok, streams, firsts, prep, http, chunk, lambda u: head("chat.completion.chunk", [], usage=u)
@@ -239,11 +255,13 @@ def create_app(loop: EngineLoop, detok: Detok, cfg: ServerConfig, chat_template:
                 "message": {"role": "assistant", "content": c.state.text},
                 "logprobs": chat_logprobs(detok, c.state.kept_ids, c.rows, n_lp) if n_lp is not None else None,
                 "finish_reason": c.finish or "abort",
+                **({"token_ids": c.state.kept_ids} if prep.return_token_ids else {}),
             }
             for j, c in enumerate(done)
         ]
         n_gen = sum(len(c.state.kept_ids) for c in done)
         cached = done[0].cached_tokens if caching(loop) else None
-        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen, cached)))
+        extra = {"prompt_token_ids": ids} if prep.return_token_ids else {}  # vLLM's: once, beside the choices
+        return JSONResponse(head("chat.completion", choices, usage=usage(len(ids), n_gen, cached), **extra))
 
     return Guard(app, cfg)

@@ -93,6 +93,7 @@ class Prepared:
     include_usage: bool
     model: str
     n: int = 1  # choices per prompt
+    return_token_ids: bool = False  # vLLM's: token_ids / prompt_token_ids in the answer
 
     def choice_params(self) -> list[SamplingParams]:
         """The n choices' SamplingParams: seeds seed, seed + 1, ... when seeded (so each choice is
@@ -198,6 +199,7 @@ class Checker:
             bool(r.stream_options and r.stream_options.include_usage),
             self.model_of(r),
             n,
+            bool(r.return_token_ids),
         )
 
     def completion(self, body: bytes) -> tuple[CompletionRequest, Prepared]:

@@ -5,9 +5,11 @@ Types are strict: `max_tokens: true` or `stream: "yes"` is a 400 naming the fiel
 for a float field is accepted, as JSON does not tell 1 from 1.0). Unknown fields are accepted and ignored
 (extra="allow"): clients (the openai package, lm-eval) send fields that do not change the output, such as
 `user` or `metadata`. Sampling fields map onto SamplingParams: `temperature` (0..2, 0 = greedy), `top_p`,
-`seed`, vLLM's `top_k` (-1 or 0 = off), and `n` choices per prompt (choice j seeded seed + j). A known field whose
-value would change the output in a way the engine cannot honour (penalties, a non-empty logit_bias, min_p
-when sampling, best_of other than n, tools, response_format, ...) is a 400 naming it (checks.py)."""
+`seed`, vLLM's `top_k` (-1 or 0 = off), and `n` choices per prompt (choice j seeded seed + j). vLLM's
+`return_token_ids` adds the generated ids (`token_ids`) and the prompt's (`prompt_token_ids`) to the answer.
+A known field whose value would change the output in a way the engine cannot honour (penalties, a non-empty
+logit_bias, min_p when sampling, best_of other than n, tools, response_format, ...) is a 400 naming it
+(checks.py)."""
 
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ class _Common(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None  # each choice's generated ids (token_ids) and its prompt's
 
 
 class CompletionRequest(_Common):

@@ -7,8 +7,10 @@ with one fault each, to prove every `golden conform` check fails on its own faul
 - ConcurrentDiffers: a generation that arrives while another is in flight gets its text changed from the
   middle on (solo answers are right).
 - HalfAcceptance: /metrics reports half the committed tokens of the accepted-length histogram.
-- UnknownNoEcho: not a fault but a lesser server: /metrics is empty (its kind is unknown) and an echo
-  answer has no logprobs, so conform must skip what it cannot check and say why.
+- ColderSampling: a sampled request (temperature > 0) is forwarded with its temperature times `factor`
+  (greedy ones pass unchanged): the answers carry real token ids, sampled from too sharp a distribution.
+- UnknownNoEcho: not a fault but a lesser server: /metrics is empty (its kind is unknown), an echo answer
+  has no logprobs and no answer has vLLM's token_ids, so conform must skip what it cannot check and say why.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Fault:
-    """No fault: answers pass through unchanged."""
+    """No fault: requests and answers pass through unchanged."""
+
+    def request(self, body: dict) -> dict:
+        return body
 
     def completion(self, body: dict, answer: dict, inflight: int) -> dict:
         return answer
@@ -92,15 +97,34 @@ class HalfAcceptance(Fault):
         return self.SUM.sub(lambda m: f"{m.group(1)} {float(m.group(2)) / 2}", text)
 
 
+class ColderSampling(Fault):
+    def __init__(self, factor: float) -> None:
+        self.factor, self.changed = factor, 0
+        self.lock = threading.Lock()
+
+    def request(self, body: dict) -> dict:
+        if body.get("temperature", 0) > 0:
+            with self.lock:
+                self.changed += 1
+            body = {**body, "temperature": body["temperature"] * self.factor}
+        return body
+
+
 class UnknownNoEcho(Fault):
     def completion(self, body: dict, answer: dict, inflight: int) -> dict:
-        if body.get("echo"):
-            for choice in answer["choices"]:
+        for choice in answer["choices"]:
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)
+            if body.get("echo"):
                 choice["logprobs"] = None
         return answer
 
     def metrics(self, text: str) -> str:
         return ""
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 64  # the listen backlog (5 by default): the sampling check connects 16 at once
 
 
 class FaultyProxy:
@@ -123,7 +147,10 @@ class FaultyProxy:
                     inflight = proxy.inflight
                 try:
                     conn = http.client.HTTPConnection(*upstream, timeout=300)
-                    conn.request(method, self.path, raw, {"Content-Type": "application/json"})
+                    sent = raw
+                    if raw and self.path.endswith("/completions"):
+                        sent = json.dumps(proxy.fault.request(json.loads(raw))).encode()
+                    conn.request(method, self.path, sent, {"Content-Type": "application/json"})
                     r = conn.getresponse()
                     status, data = r.status, r.read()
                     conn.close()
@@ -146,7 +173,7 @@ class FaultyProxy:
             def do_POST(self) -> None:
                 self._forward("POST")
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _Server(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

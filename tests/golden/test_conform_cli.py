@@ -1,6 +1,7 @@
 """`python -m golden conform`'s usage errors: each exits 2 with its message and a JSON line last, before any
 check runs: a missing required flag, an unknown --checks name, a --pair that is neither a golden set nor a
-checkpoint, a server that does not answer, a bad --url. No server or model is started.
+checkpoint, a server that does not answer, a bad --url, a non-positive --tau-tol, a sampling temperature of 0
+or max_tokens of 0. No server or model is started.
 
 Run: PYTHONPATH=. python -m pytest tests/golden/test_conform_cli.py -q -p no:cacheprovider
 """
@@ -17,6 +18,7 @@ import pytest
 from golden.cli import main
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "data" / "tiny-trained"
+BASE = ["--url", "http://127.0.0.1:1", "--model", "m", "--pair", str(GOLDEN)]
 
 
 def closed_port() -> int:
@@ -33,6 +35,8 @@ def closed_port() -> int:
         (["--url", "http://127.0.0.1:1", "--model", "m", "--pair", "/nonexistent"], "neither a stored golden set"),
         (["--url", "ftp://x", "--model", "m", "--pair", str(GOLDEN)], "http(s)://host"),
         (["--url", "http://127.0.0.1:1", "--model", "m", "--pair", str(GOLDEN), "--tau-tol", "0"], "--tau-tol"),
+        ([*BASE, "--sampling-temperature", "0"], "temperature must be > 0"),
+        ([*BASE, "--sampling-max-tokens", "0"], "--sampling-max-tokens"),
     ],
 )
 def test_usage_errors_exit_2_with_a_json_line(args, message):

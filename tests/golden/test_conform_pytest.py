@@ -2,9 +2,10 @@
 golden.conform.pytest_plugin --pyargs golden.conformance --conform-url ... --junitxml X` in a subprocess from
 a scratch directory, against `refengine serve` (the trained tiny pair on CPU, in this process) and against
 a proxy that flips one generated token. JUnit XML: one testcase per check; the real server passes topk,
-greedy, concurrency and acceptance and skips baseline and sampling with their reasons; the flipping proxy fails
-exactly the greedy testcase, whose message carries the first divergence and its regret. Without --conform-url
-the session fails naming the option.
+greedy, concurrency and acceptance and skips baseline with its reason, and sampling, left out by
+--conform-checks (about 50 s on the CPU; tests/golden/test_conform_sampling.py runs it), saying so; the
+flipping proxy fails exactly the greedy testcase, whose message carries the first divergence and its regret.
+Without --conform-url the session fails naming the option.
 
 Run: PYTHONPATH=. python -m pytest tests/golden/test_conform_pytest.py -q -p no:cacheprovider
 """
@@ -67,6 +68,8 @@ def options(url: str) -> list[str]:
         "fp32",
         "--conform-prompts",
         "3",
+        "--conform-checks",
+        "topk,greedy,concurrency,baseline,acceptance",
     ]
 
 
@@ -83,6 +86,7 @@ def test_junit_xml_against_the_real_server(spec_server, tmp_path):
         "sampling": "skipped",
     }, out
     assert "no --baseline-url" in cases["test_conform[baseline]"][1], out
+    assert "not in --conform-checks" in cases["test_conform[sampling]"][1], out
 
 
 def test_junit_xml_fails_exactly_the_check_a_flipped_token_breaks(spec_server, tmp_path):
