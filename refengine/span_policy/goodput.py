@@ -4,7 +4,8 @@ A candidate is a cap S (2, 4, ..., B) and the k requests drafting at it (span mi
 priced C = D(k, S) + V(N, rows) against a plain step's P(N). An open batch maximises tokens a second, sum_i
 E_i(s_i) / C; a closed one (admitted together, nobody joining) lasts as long as its slowest request, so it
 minimises C x max_i r_i / E_i(s_i). Speculation must beat plain by SPEC_MARGIN; exploration searches optimistic
-estimates within EXPLORE_BUDGET of predicted regret; a decision the search repeats is held 1, 2, 4, ... HOLD_MAX
+estimates (acceptance one deviation up, each step at its graph replay's floor) within EXPLORE_BUDGET of
+predicted regret; a decision the search repeats is held 1, 2, 4, ... HOLD_MAX
 steps (for an unchanged batch, or a uniform one, every span min(S, r_i), for any batch of its size).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -90,15 +92,15 @@ class GoodputSpans(SpanPolicy):
             return [int(x) for x in r] if untimed else [1] * n
         explore = self.regret_s < EXPLORE_BUDGET * self.elapsed_s
         tables = self.estimates.tables(req_ids, OPTIMISM) if explore else self.estimates.tables(req_ids)[None]
-        mean = tables[0]
-        best, *opt = self._search(tables, r)
-        if opt and opt[0].spans != best.spans and best.spans != [int(x) for x in r]:  # (all full: nothing more)
-            rate, _ = self._evaluate(mean, r, opt[0].spans)
-            regret = opt[0].cost * max(0.0, 1.0 - rate / best.rate)
-            if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + opt[0].cost):
+        best = self._search(tables[0], r)
+        opt = self._search(tables[1], r, floor=True) if explore and best.spans != r.tolist() else best  # (all full)
+        if opt.spans != best.spans:
+            rate, _ = self._evaluate(tables[0], r, opt.spans)
+            regret = opt.cost * max(0.0, 1.0 - rate / best.rate)
+            if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + opt.cost):
                 self.regret_s += regret
                 self.counts["explored"] += 1
-                best = opt[0]
+                best = opt
         self.counts["spec" if max(best.spans) > 1 else "plain"] += 1
         cap = max(best.spans)
         uniform = all(s == min(cap, x) for s, x in zip(best.spans, r.tolist()))
@@ -131,14 +133,14 @@ class GoodputSpans(SpanPolicy):
         times = {"elapsed_s": round(self.elapsed_s, 4), "regret_s": round(self.regret_s, 4)}
         return {"decisions": dict(self.counts), **times, "acceptance_by_position": rates}
 
-    def _cost(self, spans: np.ndarray) -> float | None:
-        """The predicted seconds of a step with these spans (all 1: a plain step)."""
+    def _cost(self, spans: np.ndarray, floor: bool = False) -> float | None:
+        """The predicted seconds of a step with these spans (all 1: a plain step); `floor`: StepCosts.get's."""
         sh, n = self.shapes, len(spans)
         if spans.max() == 1:
-            return self.costs.get("decode", sh.batch_bucket(n), 1)
+            return self.costs.get("decode", sh.batch_bucket(n), 1, floor)
         k, widest = int((spans > 1).sum()), int(spans.max())
-        draft = self.costs.get("draft", sh.draft_bucket(k), sh.draft_cap(widest))
-        verify = self.costs.get("verify", sh.batch_bucket(n), sh.verify_cap(n, int(spans.sum())))
+        draft = self.costs.get("draft", sh.draft_bucket(k), sh.draft_cap(widest), floor)
+        verify = self.costs.get("verify", sh.batch_bucket(n), sh.verify_cap(n, int(spans.sum())), floor)
         return None if draft is None or verify is None else draft + verify
 
     def _untimed(self, r: np.ndarray) -> bool | None:
@@ -150,10 +152,11 @@ class GoodputSpans(SpanPolicy):
         self._timed.add(len(r))  # (a kind once priced prices every shape: StepCosts.get's line)
         return None
 
-    def _cost_grid(self, n: int, widest: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def _cost_grid(self, n: int, widest: np.ndarray, rows: np.ndarray, floor: bool = False) -> np.ndarray:
         """C(k, S) for k = 1..n drafting at caps S, [..., C, n]: `widest` [C] each cap's widest span, `rows`
         [..., C, n] the step's rows. Each distinct shape is priced once (graphs: a few buckets and caps)."""
-        sh, get = self.shapes, self.costs.get
+        sh, get = self.shapes, partial(self.costs.get, floor=floor)
+
         if n not in self._draft_buckets:
             self._draft_buckets[n] = np.unique([sh.draft_bucket(k) for k in range(1, n + 1)], return_inverse=True)
         buckets, index = self._draft_buckets[n]
@@ -178,35 +181,29 @@ class GoodputSpans(SpanPolicy):
         assert cost is not None  # (every shape a search prices is priced: _untimed)
         return self._rate(table[np.arange(len(s)), s - 1], r, cost), cost
 
-    def _search(self, tables: np.ndarray, r: np.ndarray) -> list[Choice]:
-        """The best choice for each estimate in `tables` [m, N, B], every cap and prefix priced at once."""
-        m, n = tables.shape[0], len(r)
-        plain_cost = self._cost(np.ones(n, dtype=np.int64))
+    def _search(self, table: np.ndarray, r: np.ndarray, floor: bool = False) -> Choice:
+        """The best choice for the estimate `table` [N, B], every cap and prefix priced at once (`floor`: each
+        shape at its least cost, StepCosts.get's)."""
+        n = len(r)
+        plain_cost = self._cost(np.ones(n, dtype=np.int64), floor)
         assert plain_cost is not None
         s = np.minimum(r[None, :], self.caps[:, None])  # [C, N]: spans at each cap
-        e = tables[:, np.arange(n)[None, :], s - 1]  # [m, C, N]: E_i(s_i)
-        if self.open:
-            order = np.argsort(-e, axis=-1, kind="stable")
-        else:
-            order = np.broadcast_to(np.argsort(-r, kind="stable"), e.shape)
-        e_o = np.take_along_axis(e, order, -1)
-        s_o = np.take_along_axis(np.broadcast_to(s, e.shape), order, -1)
-        costs = self._cost_grid(n, s.max(axis=1), n + np.cumsum(s_o - 1, axis=-1))  # [m, C, N]
+        e = table[np.arange(n)[None, :], s - 1]  # [C, N]: E_i(s_i)
+        longest_first = np.broadcast_to(np.argsort(-r, kind="stable"), e.shape)  # a closed batch's order
+        order = np.argsort(-e, axis=-1, kind="stable") if self.open else longest_first
+        e_o, s_o = np.take_along_axis(e, order, -1), np.take_along_axis(s, order, -1)
+        costs = self._cost_grid(n, s.max(axis=1), n + np.cumsum(s_o - 1, axis=-1), floor)  # [C, N]
         if self.open:
             rates = (n + np.cumsum(e_o - 1.0, axis=-1)) / costs
         else:
             r_o = r[order].astype(float)
-            tail = np.concatenate([r_o[..., 1:], np.zeros(r_o.shape[:-1] + (1,))], axis=-1)  # max r past k
+            tail = np.concatenate([r_o[:, 1:], np.zeros((len(r_o), 1))], axis=-1)  # max r past k
             rates = 1.0 / (np.maximum(np.maximum.accumulate(r_o / e_o, axis=-1), tail) * costs)
-        out = []
-        for j in range(m):
-            plain_rate = self._rate(tables[j, :, 0], r, plain_cost)
-            cap, k = np.unravel_index(int(np.argmax(rates[j])), rates[j].shape)
-            if rates[j, cap, k] > plain_rate * (1.0 + SPEC_MARGIN):
-                spans = [1] * n
-                for i in order[j, cap, : k + 1].tolist():
-                    spans[i] = int(s[cap, i])
-                out.append(Choice(spans, float(rates[j, cap, k]), float(costs[j, cap, k])))
-            else:
-                out.append(Choice([1] * n, plain_rate, plain_cost))
-        return out
+        plain_rate = self._rate(table[:, 0], r, plain_cost)
+        cap, k = np.unravel_index(int(np.argmax(rates)), rates.shape)
+        if rates[cap, k] <= plain_rate * (1.0 + SPEC_MARGIN):
+            return Choice([1] * n, plain_rate, plain_cost)
+        spans = [1] * n
+        for i in order[cap, : k + 1].tolist():
+            spans[i] = int(s[cap, i])
+        return Choice(spans, float(rates[cap, k]), float(costs[cap, k]))

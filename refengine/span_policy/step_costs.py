@@ -3,6 +3,8 @@ cap 1), "verify" (the target over the spans, cap = rows a request), "draft" (cap
 Seeded by the captured graphs' timed replays, which leave out the host's work: the first measured step of a
 shape replaces its seed, later ones move it by COST_EMA, an unmeasured seed is priced with its kind's mean host
 share (measured minus seed), and a shape never timed by a line a + b x rows (a, b >= 0) through its kind's.
+A seed is also the shape's floor: no step of it runs faster than its graph's replay (`get(..., floor=True)`),
+which exploration prices with, so one slow sample (a first call, a collection) cannot hide a kind for ever.
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ class StepCosts:
         self._host.pop(kind, None)
         self._lines.pop(kind, None)
 
-    def get(self, kind: str, bucket: int, cap: int) -> float | None:
-        """Seconds for the shape; None when no shape of its kind is known yet."""
+    def get(self, kind: str, bucket: int, cap: int, floor: bool = False) -> float | None:
+        """Seconds for the shape; None when no shape of its kind is known yet. `floor`: its replay's seconds
+        where it was seeded (the least it can cost), else the estimate."""
         key = (kind, bucket, cap)
+        if floor and key in self.seeds:
+            return self.seeds[key]
         got = self.table.get(key)
         if got is not None:
             return got if key in self.measured else got + self._host_share(kind)

@@ -18,6 +18,7 @@ import pytest
 
 from refengine.span_policy import StepReport
 from refengine.span_policy.acceptance import PRIOR_WEIGHT, AcceptanceEstimates
+from refengine.span_policy.base import ShapeCost, StepShapes
 from refengine.span_policy.goodput import EXPLORE_BUDGET, SPEC_MARGIN, GoodputSpans
 from refengine.span_policy.step_costs import StepCosts
 
@@ -28,7 +29,7 @@ def _policy(plain_ms: float = 1.0, verify_ms: float = 1.1, draft_ms: float = 0.3
     """A policy whose step costs are fixed: P = plain, V = verify + per_row x rows, D = draft (ms)."""
     pol = GoodputSpans(B)
 
-    def get(kind: str, bucket: int, cap: int) -> float:
+    def get(kind: str, bucket: int, cap: int, floor: bool = False) -> float:  # no replays: floor = estimate
         if kind == "decode":
             return plain_ms * 1e-3
         if kind == "draft":
@@ -192,6 +193,42 @@ def test_step_costs_seed_measure_and_fit():
     costs.seed("draft", 2, 4, 0.6)
     costs.observe("draft", 1, 4, 0.8)  # measured 0.3 s over its replay: the host's share of a draft step
     assert costs.get("draft", 2, 4) == pytest.approx(0.9), "an unmeasured seed is priced with the host's share"
+
+
+def _graph_shapes_policy() -> GoodputSpans:
+    """A policy seeded as the runner seeds it on a GPU: every graph shape's timed replay (ms: plain 8,
+    verify 8 + 0.04 x rows, draft 1.5 + 0.01 x rows)."""
+    buckets, caps = (1, 2, 4, 8, 16, 32), (2, 4, 8, 16)
+    pol = GoodputSpans(B)
+    seeds = [ShapeCost("decode", b, 1, 8e-3) for b in buckets]
+    seeds += [ShapeCost("verify", b, c, (8.0 + 0.04 * b * c) * 1e-3) for b in buckets for c in caps]
+    seeds += [ShapeCost("draft", b, c, (1.5 + 0.01 * b * c) * 1e-3) for b in buckets for c in caps]
+    pol.start(StepShapes(buckets, buckets, caps, caps), seeds)
+    return pol
+
+
+@pytest.mark.parametrize("spike", [1.0, 10.0, 30.0])
+def test_one_slow_step_does_not_hide_speculation(spike):
+    """16 requests accepting 6 drafts a block, where drafting pays 2.5x; the first speculating step is
+    `spike` times slower than the rest (a first call, a collection). Exploration prices steps at their
+    replays' floor, so the spike is re-measured away: after 300 steps every step drafts."""
+    pol, ids = _graph_shapes_policy(), list(range(16))
+    for rid in ids:
+        pol.admit(rid, 100_000)
+    first, spans_log = True, []
+    for _ in range(400):
+        spans = pol.choose(ids, [10_000] * 16)
+        if max(spans) > 1:
+            draft = (1.8 + 0.01 * sum(s > 1 for s in spans) * max(spans)) * 1e-3
+            secs = (draft + (9.2 + 0.04 * sum(spans)) * 1e-3) * (spike if first else 1.0)
+            first = False
+            pol.observe(StepReport(tuple(ids), tuple(spans), tuple(min(s - 1, 6) for s in spans), secs, draft))
+        else:
+            pol.observe(StepReport(tuple(ids), tuple(spans), (0,) * 16, 8.3e-3, None))
+        spans_log.append(max(spans))
+    plain_late = sum(s == 1 for s in spans_log[300:])
+    first_plain = spans_log.index(1) if 1 in spans_log else None
+    assert plain_late == 0, f"spike {spike}: {plain_late} of the last 100 steps plain (first plain at {first_plain})"
 
 
 def test_acceptance_estimates_shrink_toward_the_population():
