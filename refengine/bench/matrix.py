@@ -27,6 +27,7 @@ policy.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class PairJob:
     graph_mode: str | None
     bandwidth: float
     bar: float
+    cells_log: str | None = None  # each finished cell appended as a JSON line (a run cut short keeps them)
 
     def mode_job(self) -> ModeJob:
         """What load_engine and the cells' prompts need: the pair's checkpoints, its largest concurrency."""
@@ -121,9 +123,11 @@ def run_matrix(
     bar: float = 0.95,
     graph_mode: str | None = None,
     isolate: bool | None = None,
+    cells_log: str | None = None,
 ) -> dict[str, Any]:
     """Draw `sample` cells of the pairs' matrix with `seed`, measure them (the module docstring) and judge them:
-    the JSON-ready result, its cells in the sample's order."""
+    the JSON-ready result, its cells in the sample's order. `cells_log`: a file that gets each finished cell as
+    a JSON line (emptied first)."""
     if repeats < 1 or prompt_len < 1 or output_tokens < 1:
         raise BenchError("--repeats, --prompt-len and --output-tokens must be positive")
     if not 0 < bar:
@@ -134,6 +138,8 @@ def run_matrix(
     bandwidth = measure_copy_bandwidth(device)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the measurement's buffers: the pairs' engines need the memory
+    if cells_log:
+        open(cells_log, "w").close()
     results: list[dict[str, Any]] = []
     engines: dict[str, Any] = {}
     for pair in dict.fromkeys(c.pair for c in cells):  # the pairs in the order the sample first names them
@@ -149,6 +155,7 @@ def run_matrix(
             graph_mode=graph_mode,
             bandwidth=bandwidth,
             bar=bar,
+            cells_log=cells_log,
         )
         out = in_fresh_process(measure_pair, job) if isolate else measure_pair(job)
         results.extend(out["cells"])
@@ -220,6 +227,9 @@ def measure_pair(job: PairJob) -> dict[str, Any]:
             }
         )
         bar.write(progress_line(cells[-1], job.total, job.bar), file=sys.stderr)
+        if job.cells_log:
+            with open(job.cells_log, "a") as f:
+                f.write(json.dumps(cells[-1]) + "\n")
         bar.update()
     bar.close()
     for name in list(engines):

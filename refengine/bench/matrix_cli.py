@@ -1,6 +1,6 @@
 """`refengine bench --sample-cells N`: the cell matrix's command (the measurement: matrix.py; the cells:
 cells.py; the verdicts and the table: verdict.py). The table and the worst cell go to stderr, the JSON is the
-last line of stdout."""
+last line of stdout; with --output PATH, PATH.cells.jsonl gets each cell as it finishes."""
 
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ def cmd_matrix(args, parser: argparse.ArgumentParser) -> int:
         bar=bar,
         graph_mode=args.graph_mode,
         isolate=args.isolate,
+        cells_log=f"{args.output}.cells.jsonl" if args.output else None,
     )
     worst = res["worst"]
     print(

@@ -3,7 +3,8 @@ matrix's size and contents, Cell's validation, sample_cells (deterministic per s
 order, a clear error past the matrix's size), the verdicts on made-up numbers (ratio to the better mode,
 unpaired by medians, paired round by round with the control, the worst cell, the bar), a pair's job (it pickles
 to a fresh process; its engines sized for its largest concurrency), options the matrix refuses, and a CPU smoke
-of `--sample-cells 2 --seed 15 --pairs tiny` asserting the JSON's structure, the settle and the paired branch.
+of `--sample-cells 2 --seed 15 --pairs tiny` asserting the JSON's structure, the per-cell log beside --output,
+the settle and the paired branch.
 
 Run: python -m pytest tests/unit/test_bench_matrix.py -q
 """
@@ -144,7 +145,7 @@ def test_the_table_shows_each_cell_and_its_verdict():
     assert "1.010" in line and "yes" in line, text  # the control over plain, paired
 
 
-def test_bench_sample_cells_on_the_cpu(capsys, monkeypatch):
+def test_bench_sample_cells_on_the_cpu(capsys, monkeypatch, tmp_path):
     """`--sample-cells 2 --seed 15 --pairs tiny` (a c8 steady cell settled 0 s and a c1 wave cell settled 15 s):
     the JSON's fields, each cell's three modes and ratio, the settle (adaptive alone, the cell's seconds and
     arrivals; recorded, not waited for) and the paired branch (forced for the first cell: the control loads
@@ -160,10 +161,13 @@ def test_bench_sample_cells_on_the_cpu(capsys, monkeypatch):
     monkeypatch.setattr(m, "settle_engine", settle)
     monkeypatch.setattr(m, "needs_pairing", lambda rounds: next(pairings))
     argv = ["bench", "--sample-cells", "2", "--seed", "15", "--pairs", "tiny", "--device", "cpu"]
-    rc = main([*argv, "--prompt-len", "8", "--output-tokens", "3", "--repeats", "1"])
+    output = tmp_path / "m.json"
+    rc = main([*argv, "--prompt-len", "8", "--output-tokens", "3", "--repeats", "1", "--output", str(output)])
     out, err = capsys.readouterr()
     assert rc == 0, err[-2000:]
     res = json.loads(out.strip().splitlines()[-1])
+    logged = [json.loads(line) for line in (tmp_path / "m.json.cells.jsonl").read_text().splitlines()]
+    assert logged == res["cells"], "the cells' log beside --output differs from the JSON's cells"
     expected = sample_cells(2, 15, ("tiny",))
     assert [c["label"] for c in res["cells"]] == [c.label for c in expected], res["cells"]
     assert [c.label for c in expected] == ["tiny/prose c8 steady settle0", "tiny/code c1 wave settle15"]
