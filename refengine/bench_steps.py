@@ -9,12 +9,16 @@ are captured there), then `--steps` timed steps of the engine's own loop (Engine
 per step (every step ends with the host reading the argmax back); host ms is the CPU time of the step's
 scheduling, input packing, attention planning and kernel launches (the runner's `host_s`). The floor is
 weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once.
-The last line printed is JSON.
+`--profile` (first batch of each row kind) prints torch.profiler's top kernels over 4 timed steps and adds the
+device's idle time to the row: `gpu_idle_ms_per_step` (the gaps between its kernels and copies, from the first
+one's start to the last one's end, per step: host work on the critical path), `gpu_widest_gap_ms`,
+`gpu_busy_share`. The last line printed is JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -28,7 +32,10 @@ from refengine.config import EngineConfig
 from refengine.request import SamplingParams
 
 
-def _timed_steps(engine, batch: int, prompt_len: int, warmup: int, steps: int, seed: int) -> dict[str, float]:
+def _timed_steps(
+    engine, batch: int, prompt_len: int, warmup: int, steps: int, seed: int, around=contextlib.nullcontext
+) -> dict[str, float]:
+    """`around()`: a context manager entered around the timed steps alone (the profiler)."""
     rng = random.Random(seed)
     vocab = engine.target.cfg.vocab_size
     for _ in range(batch):
@@ -43,10 +50,12 @@ def _timed_steps(engine, batch: int, prompt_len: int, warmup: int, steps: int, s
         engine.step()
     torch.cuda.synchronize()
     before = dict(engine.runner.timings)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = time.perf_counter() - t0
+    with around():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     delta = {k: (engine.runner.timings[k] - before[k]) * 1e3 / steps for k in before}
     wait = delta.pop("sync_wait_s")
     delta["host_s"] = wall * 1e3 / steps - wait  # everything but waiting on graphed results (graph modes)
@@ -101,26 +110,53 @@ def run(
                     "floor_ms": round(floor_ms, 3),
                     "floor_ratio": round(floor_ms / t["ms_per_step"], 3),
                 }
+                if profile and b == batches[0]:
+                    row.update(_profile(engine, b, prompt_len, f"{mode} {row['kind']} batch {b}"))
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
-                if profile and b == batches[0]:
-                    _profile(engine, b, prompt_len, f"{mode} {row['kind']} batch {b}")
             del engine
             torch.cuda.empty_cache()
     return {"bandwidth_bytes_per_s": round(bandwidth), "rows": rows}
 
 
-def _profile(engine, batch: int, prompt_len: int, label: str) -> None:
+def _profile(engine, batch: int, prompt_len: int, label: str) -> dict[str, float]:
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _timed_steps(engine, batch, prompt_len, warmup=2, steps=4, seed=99)
+    steps = 4
+    prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    _timed_steps(engine, batch, prompt_len, warmup=2, steps=steps, seed=99, around=lambda: prof)
     print(f"\n--- profile: {label} ---", file=sys.stderr)
     print(
         prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60),
         file=sys.stderr,
     )
+    device = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not device:
+        print("no device events in the profile: GPU idle time not read", file=sys.stderr)
+        return {}
+    return device_idle(device, steps)
+
+
+def device_idle(intervals: list[tuple[float, float]], steps: int) -> dict[str, float]:
+    """The device's idle time between `intervals` (us: its kernels and copies, overlapping or not), from the
+    first one's start to the last one's end: per step and the widest gap (ms), and the busy share."""
+    if not intervals or steps < 1:
+        raise ValueError("device_idle needs device intervals and steps >= 1")
+    spans = sorted(intervals)
+    start, busy_to = spans[0]
+    idle = widest = 0.0
+    for s, e in spans[1:]:
+        if s > busy_to:
+            idle, widest = idle + s - busy_to, max(widest, s - busy_to)
+        busy_to = max(busy_to, e)
+    window = busy_to - start
+    return {
+        "gpu_idle_ms_per_step": round(idle / 1e3 / steps, 4),
+        "gpu_widest_gap_ms": round(widest / 1e3, 4),
+        "gpu_busy_share": round(1.0 - idle / window, 4) if window > 0 else 1.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
