@@ -51,7 +51,10 @@ def load_engine(
 
 
 def free_memory(device: str) -> None:
-    """Give the memory of engines no longer referenced back before the next one loads (in-process runs)."""
+    """Give the memory of engines no longer referenced back before the next one loads (in-process runs).
+    capture_graphs froze the collector's objects (gc.freeze), so a reference cycle through a closed engine would
+    outlive it: unfreeze, collect, and hand the allocator's cached blocks back."""
+    gc.unfreeze()
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

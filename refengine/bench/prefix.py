@@ -16,7 +16,6 @@ separate runs with care: docs/ENGINE.md).
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import statistics
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from refengine.bench.loading import free_memory
 from refengine.errors import UnsupportedConfigError
 from refengine.request import Request, SamplingParams
 
@@ -164,18 +164,8 @@ def run_workload(
         rows[-1]["cache"] = engine.prefix_cache_stats()
         engine.close()
         del engine, clock, warm
-        _release_device_memory(device)  # the next mode's engine plans its KV pools on what is free
+        free_memory(device)  # the next mode's engine plans its KV pools on what is free
     return rows
-
-
-def _release_device_memory(device: str) -> None:
-    """Free a closed engine's tensors before the next engine is built. capture_graphs froze the collector's
-    objects (gc.freeze), so a reference cycle through the engine would outlive it: unfreeze, collect, and hand
-    the allocator's cached blocks back."""
-    gc.unfreeze()
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
 
 COLUMNS: tuple[str, ...] = ("mode", "prefix_caching", "concurrency", "requests", "ttft_ms_median", "ttft_ms_p90")
