@@ -33,7 +33,8 @@ DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 GRAPH_MODES = ("eager", "piecewise", "full")
-FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")  # FlashInfer kernels of the graphed forwards
+# Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel)
+FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "pre_attn")
 
 
 @dataclass(frozen=True)
@@ -244,7 +245,7 @@ class EngineConfig:
     # attention eager between them) or "full" (attention inside the graph, re-planned before each replay).
     # Default: "full" on CUDA, "eager" on the CPU (where graph modes run with a fake capturer, for tests).
     graph_mode: str | None = None
-    # FlashInfer kernels the graphed forwards use on CUDA (None: all of FUSED_OPS); the rest run as torch ops.
+    # Fused kernels the graphed forwards use on CUDA (None: all of FUSED_OPS); the rest run as torch ops.
     # A measuring knob: each fused kernel's gain is in docs/PERF.md.
     fused_ops: tuple[str, ...] | None = None
     # Tensor parallel (refengine/parallel): the target sharded over this many processes (rank 0 = the calling

@@ -1,17 +1,20 @@
 """The dense kernels of the graphed forwards, behind one small interface: FlashInfer's fused CUDA kernels
-(bf16), or plain torch ops written to HF's rounding order (any device: the CPU tests of the graph runner).
+(bf16) plus one Triton kernel for the step between the QKV GEMM and attention (models/pre_attn_kernel.py), or
+plain torch ops written to HF's rounding order (any device: the CPU tests of the graph runner).
 
 Every op writes into a caller-owned buffer or in place, so a captured CUDA graph sees stable addresses.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from refengine.config import FUSED_OPS
+from refengine.errors import UnsupportedConfigError
 
 
 class Kernels(Protocol):
@@ -29,6 +32,39 @@ class Kernels(Protocol):
     ) -> None:
         """Rotate-half RoPE in place on q [R, Hq, D] and k [R, Hk, D]; cos_sin [max_pos, D] fp32 holds cos in
         its first half and sin in its second."""
+
+    def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+        """qkv [R, (Hq + 2 Hk) D] -> q normed and rotated into w.q_out [R, Hq, D] (None: no q heads), k normed,
+        rotated and written with v at w.slots into w.k_cache / w.v_cache [slots, Hk, D]."""
+
+
+@dataclass(frozen=True)
+class PreAttnArgs:
+    """What one pre-attention step reads and writes besides the QKV rows."""
+
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    eps: float
+    positions: torch.Tensor  # [R] int64
+    cos_sin: torch.Tensor  # [max_pos, D] fp32
+    slots: torch.Tensor  # [R] int64
+    q_out: torch.Tensor | None  # [R, Hq, D]
+    k_scratch: torch.Tensor  # [R, Hk, D]: the normed k before its write (unfused paths only)
+    k_cache: torch.Tensor  # [slots, Hk, D]
+    v_cache: torch.Tensor  # [slots, Hk, D]
+
+
+def pre_attn_unfused(kernels: Kernels, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+    """The pre-attention step as separate kernels: q norm, k norm, RoPE, the K and V writes."""
+    rows, hk, d = qkv.shape[0], w.k_cache.shape[1], w.k_cache.shape[2]
+    hq = 0 if w.q_out is None else w.q_out.shape[1]
+    q_out = w.q_out if w.q_out is not None else w.k_scratch.new_empty(rows, 1, d)  # RoPE rotates a q per k row
+    if w.q_out is not None:
+        kernels.rmsnorm(qkv[:, : hq * d].view(rows, hq, d), w.q_norm, w.eps, out=q_out)
+    kernels.rmsnorm(qkv[:, hq * d : (hq + hk) * d].view(rows, hk, d), w.k_norm, w.eps, out=w.k_scratch)
+    kernels.rope_inplace(w.positions, q_out, w.k_scratch, d, w.cos_sin)
+    w.k_cache.index_copy_(0, w.slots, w.k_scratch)
+    w.v_cache.index_copy_(0, w.slots, qkv[:, (hq + hk) * d :].view(rows, hk, d))
 
 
 class TorchKernels:
@@ -56,14 +92,25 @@ class TorchKernels:
             rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
             x.copy_(x * cos + rotated * sin)
 
+    def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+        pre_attn_unfused(self, qkv, w)
+
 
 class FlashInferKernels:
-    """FlashInfer 0.6.3 fused kernels (CUDA, bf16/fp16 only; norm weights in the activation dtype)."""
+    """FlashInfer 0.6.3 fused kernels and the Triton pre-attention kernel (CUDA, bf16/fp16 only; norm weights
+    in the activation dtype)."""
 
     def __init__(self) -> None:
         import flashinfer  # lazily: CPU installs never need it
 
-        self._fi = flashinfer
+        try:
+            from refengine.models.pre_attn_kernel import pre_attn_fused  # Triton: ships with CUDA torch builds
+        except ImportError as e:
+            raise UnsupportedConfigError(
+                f"the fused pre_attn kernel needs Triton ({e}); install it, or leave pre_attn out of fused_ops"
+            ) from e
+
+        self._fi, self._pre_attn_fused = flashinfer, pre_attn_fused
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         self._fi.rmsnorm(x, weight, eps=eps, out=out)
@@ -81,9 +128,15 @@ class FlashInferKernels:
             positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, is_neox=True
         )
 
+    def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+        self._pre_attn_fused(
+            qkv, w.q_norm, w.k_norm, w.eps, w.positions, w.cos_sin, w.slots, w.q_out, w.k_cache, w.v_cache
+        )
+
 
 class MixedKernels:
-    """FlashInfer for the ops named in `fused`, torch for the rest (to measure what each fused kernel pays)."""
+    """The fused kernels for the ops named in `fused`, torch for the rest (to measure what each fused kernel pays).
+    Without "pre_attn" the pre-attention step runs as separate kernels, each fused or not as named."""
 
     def __init__(self, fused: frozenset[str]):
         fi, ref = FlashInferKernels(), TorchKernels()
@@ -91,10 +144,17 @@ class MixedKernels:
         self.fused_add_rmsnorm = (fi if "add_rmsnorm" in fused else ref).fused_add_rmsnorm
         self.silu_and_mul = (fi if "silu_and_mul" in fused else ref).silu_and_mul
         self.rope_inplace = (fi if "rope" in fused else ref).rope_inplace
+        self._fused_pre_attn = fi.pre_attn if "pre_attn" in fused else None
+
+    def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+        if self._fused_pre_attn is not None:
+            self._fused_pre_attn(qkv, w)
+        else:
+            pre_attn_unfused(self, qkv, w)
 
 
 def kernels_for(device: torch.device, fused: frozenset[str]) -> Kernels:
-    """FlashInfer's kernels for the `fused` ops on CUDA (bf16 / fp16 only), the torch reference ops otherwise."""
+    """The fused kernels for the `fused` ops on CUDA (bf16 / fp16 only), the torch reference ops otherwise."""
     if device.type != "cuda" or not fused:
         return TorchKernels()
     return FlashInferKernels() if fused >= set(FUSED_OPS) else MixedKernels(fused)

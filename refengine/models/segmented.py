@@ -7,7 +7,8 @@ attends non-causally and scores rows 1..B-1 of each block).
     segment i        post_attn(i-1), residual add + input norm of layer i (the tap of layer i-1), pre_attn(i)
     segment L        post_attn(L-1), residual add + final norm (the tap of layer L-1), lm_head, argmax
 
-pre_attn = merged QKV GEMM, per-head q/k norm, RoPE, K/V written at the rows' slots; post_attn = o_proj,
+pre_attn = merged QKV GEMM, then per-head q/k norm, RoPE and K/V written at the rows' slots (one fused kernel on
+CUDA: models/pre_attn_kernel.py); post_attn = o_proj,
 residual add + post-attention norm, merged gate/up GEMM, SiLU-and-mul, down_proj. A residual stream is kept
 apart from the hidden rows so each residual add fuses into the next norm (FlashInfer fused_add_rmsnorm).
 """
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from refengine.config import ModelConfig
 from refengine.kv.pool import KvPool
-from refengine.models.kernels import Kernels
+from refengine.models.kernels import Kernels, PreAttnArgs
 from refengine.models.layers import DecoderLayerWeights, Rope
 
 
@@ -54,8 +55,7 @@ class ContextInputs:
     positions: torch.Tensor  # [rows] int64
     slots: torch.Tensor  # [rows] int64 (padding rows: the dummy page)
     sources: torch.Tensor  # [rows] int64: the rows' target KV slots (their store rows; padding: a dummy slot)
-    k: torch.Tensor  # [rows, nkv, d]
-    q_dummy: torch.Tensor  # [rows, 1, d]: FlashInfer's RoPE rotates a q and a k of the same row count
+    k: torch.Tensor  # [rows, nkv, d]: the normed k before its write (unfused kernels only)
 
 
 @dataclass
@@ -69,7 +69,7 @@ class StepState:
     hidden: torch.Tensor  # [rows, H]
     residual: torch.Tensor  # [rows, H]
     q: torch.Tensor  # [rows, nh, d]
-    k: torch.Tensor  # [rows, nkv, d]
+    k: torch.Tensor  # [rows, nkv, d]: the normed k before its write (unfused kernels only)
     attn_out: torch.Tensor  # [rows, nh, d]
     taps: torch.Tensor | None  # [rows, len(taps) * H]: layer outputs handed to the drafter
     argmax: torch.Tensor  # [S] int64
@@ -124,7 +124,6 @@ class StepState:
                 z(rows, dt=torch.long),
                 z(rows, dt=torch.long),
                 z(rows, nkv, d),
-                z(rows, 1, d),
             )
         )
         return cls(
@@ -212,30 +211,30 @@ class SegmentedStack:
             torch.index_select(self.feature_store, 0, ctx.sources, out=ctx.feats)
         x = torch.empty(ctx.feats.shape[0], c.hidden_size, dtype=ctx.feats.dtype, device=ctx.feats.device)
         self.kernels.rmsnorm(F.linear(ctx.feats, fc), hidden_norm, c.rms_norm_eps, out=x)
-        rows, kvd = x.shape[0], c.kv_dim
         for i, layer in enumerate(self.layers):
             kv = F.linear(x, layer.qkv[c.q_dim :])  # [rows, 2 kvd]: k_proj; v_proj
-            self.kernels.rmsnorm(
-                kv[:, :kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps, out=ctx.k
-            )
-            self.kernels.rope_inplace(ctx.positions, ctx.q_dummy, ctx.k, c.head_dim, self.cos_sin)
-            self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, ctx.slots, ctx.k)
-            self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
-                0, ctx.slots, kv[:, kvd:].view(rows, c.num_kv_heads, c.head_dim)
-            )
+            self.kernels.pre_attn(kv, self._pre_attn_args(i, ctx.positions, ctx.slots, None, ctx.k))
 
     def _pre_attn(self, i: int, st: StepState) -> None:
-        c, layer = self.cfg, self.layers[i]
-        rows, qd, kvd = st.hidden.shape[0], c.q_dim, c.kv_dim
-        qkv = F.linear(st.hidden, layer.qkv)  # [rows, qd + 2 kvd]
-        self.kernels.rmsnorm(qkv[:, :qd].view(rows, c.num_heads, c.head_dim), layer.w.q_norm, c.rms_norm_eps, out=st.q)
-        self.kernels.rmsnorm(
-            qkv[:, qd : qd + kvd].view(rows, c.num_kv_heads, c.head_dim), layer.w.k_norm, c.rms_norm_eps, out=st.k
-        )
-        self.kernels.rope_inplace(st.positions, st.q, st.k, c.head_dim, self.cos_sin)
-        self.pool.k[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, st.slots, st.k)
-        self.pool.v[i].view(-1, c.num_kv_heads, c.head_dim).index_copy_(
-            0, st.slots, qkv[:, qd + kvd :].view(rows, c.num_kv_heads, c.head_dim)
+        qkv = F.linear(st.hidden, self.layers[i].qkv)  # [rows, qd + 2 kvd]
+        self.kernels.pre_attn(qkv, self._pre_attn_args(i, st.positions, st.slots, st.q, st.k))
+
+    def _pre_attn_args(
+        self, i: int, positions: torch.Tensor, slots: torch.Tensor, q_out: torch.Tensor | None, k: torch.Tensor
+    ) -> PreAttnArgs:
+        c, w = self.cfg, self.layers[i].w
+        cache = (c.num_kv_heads, c.head_dim)
+        return PreAttnArgs(
+            w.q_norm,
+            w.k_norm,
+            c.rms_norm_eps,
+            positions,
+            self.cos_sin,
+            slots,
+            q_out,
+            k,
+            self.pool.k[i].view(-1, *cache),
+            self.pool.v[i].view(-1, *cache),
         )
 
     def _post_attn(self, i: int, st: StepState) -> None:

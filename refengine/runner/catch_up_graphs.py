@@ -55,7 +55,6 @@ class CatchUpGraphs:
             slots=z(top, dt=torch.long).fill_(self.dummy_slot),
             sources=z(top, dt=torch.long).fill_(store_dummy_slot),
             k=z(top, c.num_kv_heads, c.head_dim),
-            q_dummy=z(top, 1, c.head_dim),
         )
         self._graphs: dict[int, Callable[[], None]] = {}
         self.captures = 0
@@ -67,9 +66,7 @@ class CatchUpGraphs:
 
     def _view(self, rows: int) -> ContextInputs:
         i = self._inputs
-        return ContextInputs(
-            i.feats[:rows], i.positions[:rows], i.slots[:rows], i.sources[:rows], i.k[:rows], i.q_dummy[:rows]
-        )
+        return ContextInputs(i.feats[:rows], i.positions[:rows], i.slots[:rows], i.sources[:rows], i.k[:rows])
 
     def _graph(self, rows: int) -> Callable[[], None]:
         g = self._graphs.get(rows)
