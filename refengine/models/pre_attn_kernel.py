@@ -33,20 +33,20 @@ def _pre_attn_kernel(
     NQ: tl.constexpr,
     NKV: tl.constexpr,
     D: tl.constexpr,
+    HALF: tl.constexpr,  # D // 2
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)  # 0..NQ+2NKV-1: q heads, then k heads, then v heads
-    half: tl.constexpr = D // 2
-    offs = tl.arange(0, half)
+    offs = tl.arange(0, HALF)
     src = qkv_ptr + row * qkv_stride + head * D
     x1 = tl.load(src + offs).to(tl.float32)  # the rotate-half pairs: x1[j] with x2[j]
-    x2 = tl.load(src + half + offs).to(tl.float32)
+    x2 = tl.load(src + HALF + offs).to(tl.float32)
     slot = tl.load(slots_ptr + row)
     out_ty = q_out_ptr.dtype.element_ty
     if head >= NQ + NKV:
         dst = v_cache_ptr + (slot * NKV + (head - NQ - NKV)) * D
         tl.store(dst + offs, x1.to(out_ty))
-        tl.store(dst + half + offs, x2.to(out_ty))
+        tl.store(dst + HALF + offs, x2.to(out_ty))
     else:
         if head < NQ:
             w_ptr = q_norm_ptr
@@ -56,12 +56,12 @@ def _pre_attn_kernel(
             dst = k_cache_ptr + (slot * NKV + (head - NQ)) * D
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
         n1 = (x1 * rstd * tl.load(w_ptr + offs).to(tl.float32)).to(out_ty).to(tl.float32)
-        n2 = (x2 * rstd * tl.load(w_ptr + half + offs).to(tl.float32)).to(out_ty).to(tl.float32)
+        n2 = (x2 * rstd * tl.load(w_ptr + HALF + offs).to(tl.float32)).to(out_ty).to(tl.float32)
         pos = tl.load(positions_ptr + row)
         cos = tl.load(cos_sin_ptr + pos * D + offs)
-        sin = tl.load(cos_sin_ptr + pos * D + half + offs)
+        sin = tl.load(cos_sin_ptr + pos * D + HALF + offs)
         tl.store(dst + offs, (n1 * cos - n2 * sin).to(out_ty))
-        tl.store(dst + half + offs, (n2 * cos + n1 * sin).to(out_ty))
+        tl.store(dst + HALF + offs, (n2 * cos + n1 * sin).to(out_ty))
 
 
 def pre_attn_fused(
@@ -102,5 +102,6 @@ def pre_attn_fused(
         NQ=nq,
         NKV=nkv,
         D=d,
+        HALF=d // 2,
         num_warps=1,
     )
