@@ -1,10 +1,10 @@
 """The fused pre-attention kernel (refengine/models/pre_attn_kernel.py: q/k RMSNorm + RoPE + the K/V write in one
 Triton kernel; bf16, marked `gpu`) against the same step as FlashInfer's separate kernels and torch's index_copy.
 Shapes: the Qwen3-4B target's heads (32 q, 8 kv, head_dim 128) at 1, 16 and 512 rows, and the drafter's context
-rows (k and v only). The pool's written slots must hold equal K and V, q must be equal, up to one bf16 step where
-the two rsqrt implementations round apart (at most 1 in 200 elements). On the CPU, Triton's interpreter
-rounds to bf16 by truncation, so this runs on a GPU only; every other slot must be untouched. Also
-replayed from a CUDA graph at new positions and slots.
+rows (k and v only). The pool's written slots must hold equal V and equal K and q up to one bf16 step where the
+two rsqrt implementations round apart (at most 1 in 200 elements); every other slot must be untouched. Also
+replayed from a CUDA graph at new positions and slots. GPU only: Triton's CPU interpreter rounds to bf16 by
+truncation (the kernel's fp32 and fp16 results there equal the separate kernels').
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_pre_attn_kernel.py
 """
