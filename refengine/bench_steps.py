@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from refengine.bench.floors import measure_copy_bandwidth, target_weight_bytes
-from refengine.config import FUSED_OPS, EngineConfig
+from refengine.config import DEFAULT_FUSED_OPS, FUSED_OPS, EngineConfig
 from refengine.request import SamplingParams
 
 
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default="plain,dflash", help="plain and/or dflash rows")
     p.add_argument(
         "--fused-ops",
-        help=f"fused kernels to use: comma-separated subset of {','.join(FUSED_OPS)}, or 'none' (default: all)",
+        help=f"fused kernels to use: comma-separated subset of {','.join(FUSED_OPS)}, or 'none' "
+        f"(default: {','.join(DEFAULT_FUSED_OPS)})",
     )
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)

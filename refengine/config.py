@@ -33,8 +33,10 @@ DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 GRAPH_MODES = ("eager", "piecewise", "full")
-# Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel)
+# Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel).
+# The default leaves pre_attn out until a GPU has measured what it pays (docs/PERF.md, Open gaps)
 FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "pre_attn")
+DEFAULT_FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,7 @@ class EngineConfig:
     # attention eager between them) or "full" (attention inside the graph, re-planned before each replay).
     # Default: "full" on CUDA, "eager" on the CPU (where graph modes run with a fake capturer, for tests).
     graph_mode: str | None = None
-    # Fused kernels the graphed forwards use on CUDA (None: all of FUSED_OPS); the rest run as torch ops.
+    # Fused kernels the graphed forwards use on CUDA (None: DEFAULT_FUSED_OPS); the rest run as torch ops.
     # A measuring knob: each fused kernel's gain is in docs/PERF.md.
     fused_ops: tuple[str, ...] | None = None
     # Tensor parallel (refengine/parallel): the target sharded over this many processes (rank 0 = the calling
@@ -309,7 +311,7 @@ class EngineConfig:
 
     @property
     def fused_ops_names(self) -> tuple[str, ...]:
-        return FUSED_OPS if self.fused_ops is None else self.fused_ops
+        return DEFAULT_FUSED_OPS if self.fused_ops is None else self.fused_ops
 
     @property
     def graph_mode_name(self) -> str:

@@ -97,20 +97,22 @@ class TorchKernels:
 
 
 class FlashInferKernels:
-    """FlashInfer 0.6.3 fused kernels and the Triton pre-attention kernel (CUDA, bf16/fp16 only; norm weights
-    in the activation dtype)."""
+    """FlashInfer 0.6.3 fused kernels (CUDA, bf16/fp16 only; norm weights in the activation dtype) and, with
+    `fused_pre_attn`, the Triton pre-attention kernel (else the pre-attention step runs as FlashInfer's
+    separate kernels)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused_pre_attn: bool = False) -> None:
         import flashinfer  # lazily: CPU installs never need it
 
-        try:
-            from refengine.models.pre_attn_kernel import pre_attn_fused  # Triton: ships with CUDA torch builds
-        except ImportError as e:
-            raise UnsupportedConfigError(
-                f"the fused pre_attn kernel needs Triton ({e}); install it, or leave pre_attn out of fused_ops"
-            ) from e
-
-        self._fi, self._pre_attn_fused = flashinfer, pre_attn_fused
+        self._fi, self._pre_attn_fused = flashinfer, None
+        if fused_pre_attn:
+            try:
+                from refengine.models.pre_attn_kernel import pre_attn_fused  # Triton: ships with CUDA torch builds
+            except ImportError as e:
+                raise UnsupportedConfigError(
+                    f"the fused pre_attn kernel needs Triton ({e}); install it, or leave pre_attn out of fused_ops"
+                ) from e
+            self._pre_attn_fused = pre_attn_fused
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> None:
         self._fi.rmsnorm(x, weight, eps=eps, out=out)
@@ -129,6 +131,9 @@ class FlashInferKernels:
         )
 
     def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
+        if self._pre_attn_fused is None:
+            pre_attn_unfused(self, qkv, w)
+            return
         self._pre_attn_fused(
             qkv, w.q_norm, w.k_norm, w.eps, w.positions, w.cos_sin, w.slots, w.q_out, w.k_cache, w.v_cache
         )
@@ -139,16 +144,17 @@ class MixedKernels:
     Without "pre_attn" the pre-attention step runs as separate kernels, each fused or not as named."""
 
     def __init__(self, fused: frozenset[str]):
-        fi, ref = FlashInferKernels(), TorchKernels()
+        fi, ref = FlashInferKernels(fused_pre_attn="pre_attn" in fused), TorchKernels()
+        self._fi = fi
         self.rmsnorm = (fi if "rmsnorm" in fused else ref).rmsnorm
         self.fused_add_rmsnorm = (fi if "add_rmsnorm" in fused else ref).fused_add_rmsnorm
         self.silu_and_mul = (fi if "silu_and_mul" in fused else ref).silu_and_mul
         self.rope_inplace = (fi if "rope" in fused else ref).rope_inplace
-        self._fused_pre_attn = fi.pre_attn if "pre_attn" in fused else None
+        self._fused_pre_attn = "pre_attn" in fused
 
     def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
-        if self._fused_pre_attn is not None:
-            self._fused_pre_attn(qkv, w)
+        if self._fused_pre_attn:
+            self._fi.pre_attn(qkv, w)
         else:
             pre_attn_unfused(self, qkv, w)
 
@@ -157,4 +163,6 @@ def kernels_for(device: torch.device, fused: frozenset[str]) -> Kernels:
     """The fused kernels for the `fused` ops on CUDA (bf16 / fp16 only), the torch reference ops otherwise."""
     if device.type != "cuda" or not fused:
         return TorchKernels()
-    return FlashInferKernels() if fused >= set(FUSED_OPS) else MixedKernels(fused)
+    if fused >= set(FUSED_OPS) - {"pre_attn"}:  # every FlashInfer op
+        return FlashInferKernels(fused_pre_attn="pre_attn" in fused)
+    return MixedKernels(fused)

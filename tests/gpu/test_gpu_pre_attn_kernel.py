@@ -7,6 +7,8 @@ replayed from a CUDA graph at new positions and slots. GPU only: Triton's CPU in
 truncation (the kernel's fp32 and fp16 results there equal the separate kernels').
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_pre_attn_kernel.py
+The whole GPU suite with the kernel in the engine's forwards (it is opt-in):
+    REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope,pre_attn python -m pytest -m gpu tests/gpu
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def _check_close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("rows,with_q", [(1, True), (16, True), (512, True), (48, False)])
 def test_fused_pre_attn_equals_separate_kernels(rows: int, with_q: bool) -> None:
-    kernels, cos_sin = FlashInferKernels(), _cos_sin()
+    kernels, cos_sin = FlashInferKernels(fused_pre_attn=True), _cos_sin()
     qkv, norms, positions, slots, cache = _case(rows, with_q, seed=rows)
     fused = _args(norms, positions, slots, rows, with_q, tuple(c.clone() for c in cache), cos_sin)
     ref = _args(norms, positions, slots, rows, with_q, tuple(c.clone() for c in cache), cos_sin)
@@ -81,7 +83,7 @@ def test_fused_pre_attn_equals_separate_kernels(rows: int, with_q: bool) -> None
 
 
 def test_fused_pre_attn_replays_from_a_graph_at_new_positions_and_slots() -> None:
-    kernels, cos_sin, rows = FlashInferKernels(), _cos_sin(), 16
+    kernels, cos_sin, rows = FlashInferKernels(fused_pre_attn=True), _cos_sin(), 16
     qkv, norms, positions, slots, cache = _case(rows, True, seed=7)
     fused = _args(norms, positions.clone(), slots.clone(), rows, True, tuple(c.clone() for c in cache), cos_sin)
     static_qkv = qkv.clone()
