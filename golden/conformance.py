@@ -21,7 +21,7 @@ from golden.conform.cli import CHECK_NAMES, EXIT_USAGE
 
 
 @pytest.fixture(scope="session")
-def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str, list[str]]:
+def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str]:
     try:
         from golden.conform.pytest_plugin import conform_argv
 
@@ -39,15 +39,14 @@ def conform_run(request: pytest.FixtureRequest) -> tuple[dict, str, list[str]]:
     result = json.loads(text.strip().splitlines()[-1])
     if code == EXIT_USAGE:
         pytest.fail(f"golden conform could not run:\n{text}")
-    chosen = argv[argv.index("--checks") + 1].split(",") if "--checks" in argv else list(CHECK_NAMES)
-    return result, text, [c.strip() for c in chosen]
+    return result, text
 
 
 @pytest.mark.parametrize("check", CHECK_NAMES)
-def test_conform(check: str, conform_run: tuple[dict, str, list[str]]) -> None:
-    result, text, chosen = conform_run
+def test_conform(check: str, conform_run: tuple[dict, str]) -> None:
+    result, text = conform_run
     got = result["checks"].get(check)
-    if got is None and check not in chosen:
+    if got is None and check not in result["chosen"]:
         pytest.skip(f"{check}: not in --conform-checks")
     if got is None:
         pytest.fail(f"check {check} did not run:\n{text}")

@@ -130,6 +130,7 @@ def run_conform(args: argparse.Namespace, out=None) -> int:
         "exit_code": code,
         "server": kind,
         "pair": src.pair,
+        "chosen": [name for name in CHECK_NAMES if name in chosen],  # --checks: the ones asked for
         "checks": {r.name: {"status": r.status, "summary": r.summary, **r.data} for r in results},
     }
     print(json.dumps(summary, separators=(",", ":")), file=out)

@@ -145,16 +145,15 @@ class MixedKernels:
 
     def __init__(self, fused: frozenset[str]):
         fi, ref = FlashInferKernels(fused_pre_attn="pre_attn" in fused), TorchKernels()
-        self._fi = fi
         self.rmsnorm = (fi if "rmsnorm" in fused else ref).rmsnorm
         self.fused_add_rmsnorm = (fi if "add_rmsnorm" in fused else ref).fused_add_rmsnorm
         self.silu_and_mul = (fi if "silu_and_mul" in fused else ref).silu_and_mul
         self.rope_inplace = (fi if "rope" in fused else ref).rope_inplace
-        self._fused_pre_attn = "pre_attn" in fused
+        self._fused_pre_attn = fi.pre_attn if "pre_attn" in fused else None
 
     def pre_attn(self, qkv: torch.Tensor, w: PreAttnArgs) -> None:
-        if self._fused_pre_attn:
-            self._fi.pre_attn(qkv, w)
+        if self._fused_pre_attn is not None:
+            self._fused_pre_attn(qkv, w)
         else:
             pre_attn_unfused(self, qkv, w)
 

@@ -156,7 +156,6 @@ class GoodputSpans(SpanPolicy):
         """C(k, S) for k = 1..n drafting at caps S, [..., C, n]: `widest` [C] each cap's widest span, `rows`
         [..., C, n] the step's rows. Each distinct shape is priced once (graphs: a few buckets and caps)."""
         sh, get = self.shapes, partial(self.costs.get, floor=floor)
-
         if n not in self._draft_buckets:
             self._draft_buckets[n] = np.unique([sh.draft_bucket(k) for k in range(1, n + 1)], return_inverse=True)
         buckets, index = self._draft_buckets[n]
