@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from refengine.bench.floors import measure_copy_bandwidth, target_weight_bytes
-from refengine.config import DEFAULT_FUSED_OPS, FUSED_OPS, EngineConfig
+from refengine.config import EngineConfig
+from refengine.defaults import add_fused_ops_argument
 from refengine.request import SamplingParams
 
 
@@ -174,11 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kinds", default="plain,dflash", help="plain and/or dflash rows")
-    p.add_argument(
-        "--fused-ops",
-        help=f"fused kernels to use: comma-separated subset of {','.join(FUSED_OPS)}, or 'none' "
-        f"(default: {','.join(DEFAULT_FUSED_OPS)})",
-    )
+    add_fused_ops_argument(p)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args(argv)
     res = run(
@@ -192,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=a.steps,
         profile=a.profile,
         kinds=tuple(a.kinds.split(",")),
-        fused_ops=None if a.fused_ops is None else tuple(o for o in a.fused_ops.split(",") if o and o != "none"),
+        fused_ops=a.fused_ops,
     )
     print(json.dumps(res))
     return 0

@@ -1,10 +1,13 @@
 """Where the embedded fixture pairs live (shipped inside the package tree; no network, ever), and the
---model / --dflash-draft-model-path / --no-draft options every command that runs a pair shares."""
+--model / --dflash-draft-model-path / --no-draft options every command that runs a pair shares, and the
+options several commands share (--fused-ops, --enable-prefix-caching)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from refengine.config import DEFAULT_FUSED_OPS, FUSED_OPS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TRAINED_PAIR = FIXTURES / "tiny-trained"
@@ -40,6 +43,25 @@ def model_pair(args: argparse.Namespace) -> tuple[Path, Path | None]:
     else:
         target, draft = Path(args.model), args.dflash_draft_model_path
     return target, None if args.no_draft else draft
+
+
+def add_fused_ops_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fused-ops",
+        type=fused_ops_arg,
+        default=None,
+        help=f"fused kernels the graphed forwards use on CUDA: comma-separated subset of {','.join(FUSED_OPS)}, "
+        f"or 'none' (default: {','.join(DEFAULT_FUSED_OPS)}; EngineConfig.fused_ops)",
+    )
+
+
+def fused_ops_arg(text: str) -> tuple[str, ...]:
+    """--fused-ops' value: the named ops ('none': no fused kernel); unknown names are refused here."""
+    ops = tuple(o.strip() for o in text.split(",") if o.strip() and o.strip() != "none")
+    bad = sorted(set(ops) - set(FUSED_OPS))
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: use a subset of {','.join(FUSED_OPS)}, or 'none'")
+    return ops
 
 
 def add_prefix_caching_argument(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ from refengine.bench.run import BenchError
 from refengine.bench.suite import MODES, bench
 from refengine.bench.verdict import DEFAULT_BAR
 from refengine.config import DRAFT_SAMPLINGS
-from refengine.defaults import add_prefix_caching_argument
+from refengine.defaults import add_fused_ops_argument, add_prefix_caching_argument
 from refengine.spec_decode.acceptance_profile import parse_profile
 
 
@@ -151,6 +151,7 @@ def add_bench_parser(sub) -> None:
         default=None,
         help="CUDA graphs for decode / verify / draft (default: full on CUDA, eager on the CPU)",
     )
+    add_fused_ops_argument(p)
     p.add_argument(
         "--seed",
         type=int,
@@ -269,6 +270,7 @@ def _cmd(args) -> int:
         seed=args.seed,
         profile_ops=args.profile,
         graph_mode=args.graph_mode,
+        fused_ops=args.fused_ops,
         settle_s=args.settle_s,
         isolate=args.isolate,
         processes=args.processes,

@@ -54,6 +54,7 @@ class ModeJob:
     arrivals: str = "wave"  # ARRIVALS
     temperature: float = 0.0  # > 0: the measured runs sample (request i seeded i)
     draft_sampling: str = "sampled"  # EngineConfig.draft_sampling: how they draft then
+    fused_ops: tuple[str, ...] | None = None  # EngineConfig.fused_ops (None: the default kernels)
 
     def cell_prompts(self, c: int, vocab: int) -> tuple[list[list[int]], int | None]:
         """A cell's prompts and how many run at once (None: all, a wave)."""

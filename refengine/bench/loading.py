@@ -38,6 +38,7 @@ def load_engine(
         num_blocks=j.blocks,
         shared_target=shared_target,
         draft_sampling=j.draft_sampling,
+        fused_ops=j.fused_ops,
     )
     t = time.perf_counter()
     shapes = e.capture_graphs()
@@ -45,6 +46,7 @@ def load_engine(
     tbytes = target_weight_bytes(e.target)
     out.update(floor=j.bandwidth / tbytes, vocab=e.target.cfg.vocab_size, target_weight_bytes=tbytes)
     out["graph_mode"] = e.config.graph_mode_name
+    out["fused_ops"] = list(e.config.fused_ops_names) if e.target.device.type == "cuda" else []  # CPU: torch ops
     if e.drafter is not None:
         out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
     return e, out

@@ -81,6 +81,7 @@ class PairJob:
     repeats: int
     seed: int
     graph_mode: str | None
+    fused_ops: tuple[str, ...] | None
     bandwidth: float
     bar: float
     cells_log: str | None = None  # each finished cell appended as a JSON line (a run cut short keeps them)
@@ -108,6 +109,7 @@ class PairJob:
             graph_mode=self.graph_mode,
             settle_s=0.0,
             bandwidth=self.bandwidth,
+            fused_ops=self.fused_ops,
         )
 
 
@@ -122,6 +124,7 @@ def run_matrix(
     repeats: int = 3,
     bar: float = 0.95,
     graph_mode: str | None = None,
+    fused_ops: tuple[str, ...] | None = None,
     isolate: bool | None = None,
     cells_log: str | None = None,
 ) -> dict[str, Any]:
@@ -153,6 +156,7 @@ def run_matrix(
             repeats=repeats,
             seed=seed,
             graph_mode=graph_mode,
+            fused_ops=fused_ops,
             bandwidth=bandwidth,
             bar=bar,
             cells_log=cells_log,

@@ -64,6 +64,7 @@ def cmd_matrix(args, parser: argparse.ArgumentParser) -> int:
         repeats=args.repeats,
         bar=bar,
         graph_mode=args.graph_mode,
+        fused_ops=args.fused_ops,
         isolate=args.isolate,
         cells_log=f"{args.output}.cells.jsonl" if args.output else None,
     )

@@ -104,6 +104,7 @@ def _engine(mode: str, target: str, draft: str | None, args: Any, device: str, s
         max_num_seqs=seqs,
         max_model_len=context,
         graph_mode=args.graph_mode,
+        fused_ops=args.fused_ops,
         enable_prefix_caching=args.enable_prefix_caching,
     )
     engine = Engine(cfg)

@@ -213,6 +213,7 @@ def engine_for(
     num_blocks: int | None = None,
     shared_target: Any = None,
     draft_sampling: str = "sampled",
+    fused_ops: tuple[str, ...] | None = None,
 ):
     from refengine.config import EngineConfig
     from refengine.engine import Engine
@@ -228,6 +229,7 @@ def engine_for(
         graph_mode=graph_mode,
         num_blocks=num_blocks,
         draft_sampling=draft_sampling,
+        fused_ops=fused_ops,
     )
     return Engine(cfg, acceptance_override=override if mode != "plain" else None, target=shared_target)
 

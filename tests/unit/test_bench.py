@@ -7,7 +7,7 @@ that each mode's engine runs alone
 (freed before the next loads; plain once per concurrency) and settles with runs of the measured length (a short
 --output-tokens fits its context cap), the paired method (rounds in a balanced order, ratios to
 plain in the same round, the control), steady arrivals (c requests in flight), the bundled prompt sets, and the
-HF peer row.
+HF peer row, and that --fused-ops reaches every engine.
 
 Run: python -m pytest tests/unit/test_bench.py -q
 """
@@ -130,6 +130,32 @@ def test_bench_speculation_measures_plain_and_that_policy(capsys):
     assert rows["adaptive"]["spans"]["policy"] == "adaptive"
     rc, _, err = _bench(capsys, *RANDOM, "--speculation", "fixed", "--modes", "plain")
     assert rc == 2 and "give --modes or --speculation, not both" in err, err[-300:]
+
+
+def test_bench_fused_ops_reach_the_engines(capsys, monkeypatch):
+    """--fused-ops names the kernels every mode's engine is built with (EngineConfig.fused_ops, 'none' for
+    none); the JSON records the kernels that ran (none on the CPU, where the torch ops run); unknown names are
+    refused before any model loads."""
+    from refengine.engine import Engine
+
+    built = []
+    init = Engine.__init__
+
+    def spy(self, config, **kw):
+        built.append(config.fused_ops)
+        init(self, config, **kw)
+
+    monkeypatch.setattr(Engine, "__init__", spy)
+    for arg, want in (("rmsnorm,pre_attn", ("rmsnorm", "pre_attn")), ("none", ())):
+        built.clear()
+        rc, res, err = _bench(capsys, *RANDOM, "--output-tokens", "2", "--concurrency", "1", "--fused-ops", arg)
+        assert rc == 0, err
+        assert built and set(built) == {want}, built
+        assert res["fused_ops"] == [], res["fused_ops"]
+    with pytest.raises(SystemExit) as exc:
+        main([*QUICK, *RANDOM, "--fused-ops", "rope,bogus"])
+    assert exc.value.code == 2
+    assert "bogus: use a subset of" in capsys.readouterr().err
 
 
 def test_bench_refuses_unknown_modes(capsys):
