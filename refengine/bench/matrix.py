@@ -81,10 +81,10 @@ class PairJob:
     repeats: int
     seed: int
     graph_mode: str | None
-    fused_ops: tuple[str, ...] | None
     bandwidth: float
     bar: float
     cells_log: str | None = None  # each finished cell appended as a JSON line (a run cut short keeps them)
+    fused_ops: tuple[str, ...] | None = None  # EngineConfig.fused_ops (None: the default kernels)
 
     def mode_job(self) -> ModeJob:
         """What load_engine and the cells' prompts need: the pair's checkpoints, its largest concurrency."""

@@ -52,10 +52,6 @@ def internal_error(message: str) -> ApiError:
     return ApiError(500, message, None, "internal_server_error", "internal_error")
 
 
-def not_found(what: str) -> ApiError:
-    return ApiError(404, what, None, "invalid_request_error", "not_found")
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
