@@ -7,8 +7,10 @@ host (CPU) time per step and the ratio to the memory-bound floor.
 Each row runs `batch` requests of `--prompt-len` random tokens through prefill, a few warm-up steps (graphs
 are captured there), then `--steps` timed steps of the engine's own loop (Engine.step). ms/step is wall time
 per step (every step ends with the host reading the argmax back); host ms is the CPU time of the step's
-scheduling, input packing, attention planning and kernel launches (the runner's `host_s`). The floor is
-weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once.
+scheduling, input packing, attention planning and kernel launches (the runner's `host_s`); critical ms, the part
+of it between reading a step's results back and queueing the next graph, while the device has nothing to run
+(the runner's `critical_s`; graph modes). `--device cpu` runs the tiny pairs for the host columns alone. The
+floor is weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once.
 `--profile` (first batch of each row kind) prints torch.profiler's top kernels over 4 timed steps and adds the
 device's idle time to the row: `gpu_idle_ms_per_step` (the gaps between its kernels and copies, from the first
 one's start to the last one's end, per step: host work on the critical path), `gpu_widest_gap_ms`,
@@ -49,13 +51,13 @@ def _timed_steps(
         engine.step()
     for _ in range(warmup):
         engine.step()
-    torch.cuda.synchronize()
+    _sync(engine)
     before = dict(engine.runner.timings)
     with around():
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        _sync(engine)
         wall = time.perf_counter() - t0
     delta = {k: (engine.runner.timings[k] - before[k]) * 1e3 / steps for k in before}
     wait = delta.pop("sync_wait_s")
@@ -63,6 +65,11 @@ def _timed_steps(
     for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort(r.request_id, "timed steps done")
     return {"ms_per_step": wall * 1e3 / steps, **{k.replace("_s", "_ms"): v for k, v in delta.items()}}
+
+
+def _sync(engine) -> None:
+    if engine.target.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def run(
@@ -78,10 +85,11 @@ def run(
     profile: bool,
     kinds: tuple[str, ...] = ("plain", "dflash"),
     fused_ops: tuple[str, ...] | None = None,
+    device: str = "cuda",
 ) -> dict[str, Any]:
     from refengine.engine import Engine
 
-    bandwidth = measure_copy_bandwidth("cuda")
+    bandwidth = measure_copy_bandwidth(device)
     rows = []
     for mode in modes:
         for spec in [k == "dflash" for k in kinds if draft or k == "plain"]:
@@ -89,7 +97,7 @@ def run(
                 EngineConfig(
                     target,
                     draft_path=draft if spec else None,
-                    device="cuda",
+                    device=device,
                     synthetic_weights=synthetic,
                     graph_mode=mode,
                     fused_ops=fused_ops,
@@ -102,8 +110,9 @@ def run(
             floor_ms = weight_bytes / bandwidth * 1e3
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
+                ran = engine.config.fused_ops_names if device.startswith("cuda") else ()  # CPU: torch ops
                 row = {
-                    "fused_ops": ",".join(engine.config.fused_ops_names) or "none",
+                    "fused_ops": ",".join(ran) or "none",
                     "mode": mode,
                     "kind": "dflash" if spec else "plain",
                     "batch": b,
@@ -116,7 +125,8 @@ def run(
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
             del engine
-            torch.cuda.empty_cache()
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
     return {"bandwidth_bytes_per_s": round(bandwidth), "rows": rows}
 
 
@@ -176,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kinds", default="plain,dflash", help="plain and/or dflash rows")
     add_fused_ops_argument(p)
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="torch.profiler's top kernels and the GPU's idle time (CUDA)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu: host-time columns of the tiny pairs")
     a = p.parse_args(argv)
+    if a.profile and not a.device.startswith("cuda"):
+        p.error("--profile reads the GPU's idle time: it needs --device cuda")
     res = run(
         a.target,
         a.draft,
@@ -190,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=a.profile,
         kinds=tuple(a.kinds.split(",")),
         fused_ops=a.fused_ops,
+        device=a.device,
     )
     print(json.dumps(res))
     return 0

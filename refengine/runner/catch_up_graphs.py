@@ -59,6 +59,7 @@ class CatchUpGraphs:
         self._graphs: dict[int, Callable[[], None]] = {}
         self.captures = 0
         self.replays = 0
+        self.on_launch: Callable[[], None] | None = None  # told as each replay is queued (ModelRunner's clock)
 
     @property
     def max_rows(self) -> int:
@@ -111,5 +112,7 @@ class CatchUpGraphs:
             if buf.is_cuda:  # a pageable copy may wait for the device; a pinned one queues
                 host = host.pin_memory()
             buf.copy_(host, non_blocking=True)
+        if self.on_launch is not None:
+            self.on_launch()
         self._graph(rows)()
         self.replays += 1

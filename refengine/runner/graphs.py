@@ -106,9 +106,16 @@ class StepGraph:
         batch = AttnBatch(q_lens, kv_lens, tables, torch.empty(0), torch.empty(0), causal=self.causal)
         return batch, self.staging
 
-    def replay(self, batch: AttnBatch, inputs: torch.Tensor, fill: Callable[[StepState], None] | None = None) -> None:
+    def replay(
+        self,
+        batch: AttnBatch,
+        inputs: torch.Tensor,
+        fill: Callable[[StepState], None] | None = None,
+        on_launch: Callable[[], None] | None = None,
+    ) -> None:
         """`fill(state)` rewrites inputs on the device after the staged ones land (a verify's drafts, straight
-        from the draft graph's buffers)."""
+        from the draft graph's buffers); `on_launch()` runs once the host work is done, as the first piece is
+        queued."""
         st = self.state
         st.ids.copy_(inputs[0], non_blocking=True)
         st.positions.copy_(inputs[1], non_blocking=True)
@@ -116,6 +123,8 @@ class StepGraph:
         if fill is not None:
             fill(st)
         self.attention.plan(batch)
+        if on_launch is not None:
+            on_launch()
         for piece in self.pieces:
             piece()
 
@@ -148,6 +157,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], StepGraph] = {}  # (bucket, cap) -> captured shape
         self._attention: dict[int, object] = {}  # bucket -> the wrapper its shapes share
         self.replays = self.captures = 0
+        self.on_launch: Callable[[], None] | None = None  # told as each replay is queued (ModelRunner's clock)
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -306,7 +316,7 @@ class GraphRunner:
         batch, inputs = g.layout(steps, self.stack.pool)
         if prepare is not None:
             prepare(g)
-        g.replay(batch, inputs, fill)
+        g.replay(batch, inputs, fill, self.on_launch)
         self.replays += 1
         return g
 

@@ -57,6 +57,8 @@ class ModelRunner(VerifyStep):
         # minus it is the host's own work: scheduling, packing inputs, planning attention, launching)
         # catch_up_s: the part of draft_s spent projecting more pending drafter context than the draft graph
         # takes (after a prompt, or steps at span 1: catch-up graph replays)
+        # critical_s: host time from reading results back (a sync) to queueing the next graph replay, which the
+        # device spends idle: the step's commit, the next schedule, its inputs and attention plan (graph modes)
         self.timings = {
             "prefill_s": 0.0,
             "decode_s": 0.0,
@@ -64,7 +66,17 @@ class ModelRunner(VerifyStep):
             "verify_s": 0.0,
             "sync_wait_s": 0.0,
             "catch_up_s": 0.0,
+            "critical_s": 0.0,
         }
+        self._synced_at: float | None = None  # when the host last waited for the device (critical_s's start)
+        for runner in self._graph_runners():
+            runner.on_launch = self._launching
+
+    def _launching(self) -> None:
+        """A graph replay is being queued: the host time since the last sync was on the critical path."""
+        if self._synced_at is not None:
+            self.timings["critical_s"] += time.perf_counter() - self._synced_at
+            self._synced_at = None
 
     def _graph_runners(self) -> list[GraphRunner | CatchUpGraphs]:
         """Every graph runner of the engine: the target's decode / verify, the drafter's and its catch-ups'."""
@@ -131,7 +143,8 @@ class ModelRunner(VerifyStep):
             self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
-        self.timings["sync_wait_s"] += time.perf_counter() - t
+        self._synced_at = time.perf_counter()
+        self.timings["sync_wait_s"] += self._synced_at - t
         out, row = [], 0
         for n in lens:
             out.append(argmax[row : row + n])
@@ -166,6 +179,7 @@ class ModelRunner(VerifyStep):
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
+        self._synced_at = time.perf_counter()
 
     def _forward_segmented(
         self, ids: torch.Tensor, batch: AttnBatch, taps: bool
