@@ -17,6 +17,7 @@ from refengine.parallel.group import TensorParallelGroup
 from refengine.plan import DecodePlan, Plan, PrefillPlan, StepResult
 from refengine.request import Request
 from refengine.runner.catch_up_graphs import CatchUpGraphs
+from refengine.runner.critical_path import CriticalPathClock
 from refengine.runner.draft_graphs import DraftGraphs
 from refengine.runner.graphs import GraphRunner, StepRow
 from refengine.runner.logits import TopK, read_logits
@@ -68,15 +69,9 @@ class ModelRunner(VerifyStep):
             "catch_up_s": 0.0,
             "critical_s": 0.0,
         }
-        self._synced_at: float | None = None  # when the host last waited for the device (critical_s's start)
+        self.clock = CriticalPathClock(self.timings)
         for runner in self._graph_runners():
-            runner.on_launch = self._launching
-
-    def _launching(self) -> None:
-        """A graph replay is being queued: the host time since the last sync was on the critical path."""
-        if self._synced_at is not None:
-            self.timings["critical_s"] += time.perf_counter() - self._synced_at
-            self._synced_at = None
+            runner.on_launch = self.clock.launching
 
     def _graph_runners(self) -> list[GraphRunner | CatchUpGraphs]:
         """Every graph runner of the engine: the target's decode / verify, the drafter's and its catch-ups'."""
@@ -143,8 +138,7 @@ class ModelRunner(VerifyStep):
             self._stage([(s.req_id, s.start, n) for s, n in zip(steps, lens)], whole_step)
         t = time.perf_counter()
         argmax = g.buffers.argmax[:total].tolist()  # the one host sync of the step
-        self._synced_at = time.perf_counter()
-        self.timings["sync_wait_s"] += self._synced_at - t
+        self.timings["sync_wait_s"] += self.clock.synced() - t
         out, row = [], 0
         for n in lens:
             out.append(argmax[row : row + n])
@@ -179,7 +173,7 @@ class ModelRunner(VerifyStep):
     def _sync(self) -> None:
         if self.target.device.type == "cuda":
             torch.cuda.synchronize()
-        self._synced_at = time.perf_counter()
+        self.clock.synced()
 
     def _forward_segmented(
         self, ids: torch.Tensor, batch: AttnBatch, taps: bool
