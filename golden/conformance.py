@@ -2,10 +2,10 @@
 `golden conform` checks as pytest tests, one per check, for an engine's CI (JUnit XML with --junitxml).
 
 The options come from golden/conform/pytest_plugin.py (`-p golden.conform.pytest_plugin`, or its entry point
-once installed). The checks run once per pytest session; a failing check fails its test with the check's report (the
-numbers: first divergent position, regret, deltas); a check that could not run (no --conform-baseline-url, a
-server that exports no speculative counters, a server without `token_ids` for sampling) or that
---conform-checks left out is a skip carrying its reason.
+once installed). The checks run once per pytest run (a session-scoped fixture); a failing check fails its test
+with the check's report (the numbers: first divergent position, regret, deltas); a check that could not run (no
+--conform-baseline-url, a server that exports no speculative counters, a server without `token_ids` for
+sampling) or that --conform-checks left out is a skip carrying its reason.
 """
 
 from __future__ import annotations

@@ -110,9 +110,8 @@ def run(
             floor_ms = weight_bytes / bandwidth * 1e3
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
-                ran = engine.config.fused_ops_names if device.startswith("cuda") else ()  # CPU: torch ops
                 row = {
-                    "fused_ops": ",".join(ran) or "none",
+                    "fused_ops": ",".join(engine.config.fused_ops_run) or "none",
                     "mode": mode,
                     "kind": "dflash" if spec else "plain",
                     "batch": b,

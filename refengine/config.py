@@ -39,6 +39,13 @@ FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "pre_attn")
 DEFAULT_FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")
 
 
+def check_fused_ops(ops: tuple[str, ...]) -> None:
+    """UnsupportedConfigError naming any op outside FUSED_OPS (EngineConfig and the --fused-ops option)."""
+    bad = sorted(set(ops) - set(FUSED_OPS))
+    if bad:
+        raise UnsupportedConfigError(f"fused_ops {', '.join(bad)}: use a subset of {','.join(FUSED_OPS)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The Qwen3 geometry refengine needs, read from an HF config.json."""
@@ -270,9 +277,7 @@ class EngineConfig:
             raise UnsupportedConfigError("page_size, max_num_seqs and max_prefill_tokens must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise UnsupportedConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        bad_ops = sorted(set(self.fused_ops or ()) - set(FUSED_OPS))
-        if bad_ops:
-            raise UnsupportedConfigError(f"fused_ops {bad_ops}: use a subset of {FUSED_OPS}")
+        check_fused_ops(self.fused_ops or ())
         if self.graph_mode not in (None, *GRAPH_MODES):
             raise UnsupportedConfigError(f"graph_mode={self.graph_mode!r}: use one of {GRAPH_MODES}")
         if self.memory_accounting not in MEMORY_ACCOUNTINGS:
@@ -312,6 +317,11 @@ class EngineConfig:
     @property
     def fused_ops_names(self) -> tuple[str, ...]:
         return DEFAULT_FUSED_OPS if self.fused_ops is None else self.fused_ops
+
+    @property
+    def fused_ops_run(self) -> tuple[str, ...]:
+        """The fused kernels the graphed forwards run: fused_ops_names on CUDA, none elsewhere (torch ops)."""
+        return self.fused_ops_names if self.device.startswith("cuda") else ()
 
     @property
     def graph_mode_name(self) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from refengine.config import DEFAULT_FUSED_OPS, FUSED_OPS
+from refengine.config import DEFAULT_FUSED_OPS, FUSED_OPS, check_fused_ops
+from refengine.errors import UnsupportedConfigError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TRAINED_PAIR = FIXTURES / "tiny-trained"
@@ -58,9 +59,10 @@ def add_fused_ops_argument(p: argparse.ArgumentParser) -> None:
 def fused_ops_arg(text: str) -> tuple[str, ...]:
     """--fused-ops' value: the named ops ('none': no fused kernel); unknown names are refused here."""
     ops = tuple(o.strip() for o in text.split(",") if o.strip() and o.strip() != "none")
-    bad = sorted(set(ops) - set(FUSED_OPS))
-    if bad:
-        raise argparse.ArgumentTypeError(f"{', '.join(bad)}: use a subset of {','.join(FUSED_OPS)}, or 'none'")
+    try:
+        check_fused_ops(ops)
+    except UnsupportedConfigError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or 'none'") from e
     return ops
 
 

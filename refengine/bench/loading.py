@@ -46,7 +46,7 @@ def load_engine(
     tbytes = target_weight_bytes(e.target)
     out.update(floor=j.bandwidth / tbytes, vocab=e.target.cfg.vocab_size, target_weight_bytes=tbytes)
     out["graph_mode"] = e.config.graph_mode_name
-    out["fused_ops"] = list(e.config.fused_ops_names) if e.target.device.type == "cuda" else []  # CPU: torch ops
+    out["fused_ops"] = list(e.config.fused_ops_run)
     if e.drafter is not None:
         out["drafter_weight_bytes"] = drafter_weight_bytes(e.drafter)
     return e, out
