@@ -10,8 +10,9 @@ per step (every step ends with the host reading the argmax back); host ms is the
 scheduling, input packing, attention planning and kernel launches (the runner's `host_s`); critical ms, the part
 of it between reading a step's results back and queueing the next graph, while the device has nothing to run
 (the runner's `critical_s`; graph modes). `--device cpu` runs the tiny pairs for the host columns alone. The
-floor is weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once.
-`--profile` (first batch of each row kind) prints torch.profiler's top kernels over 4 timed steps and adds the
+floor is weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once;
+DFlash rows add the drafter's own floor (its weight bytes, LM head included, over the same bandwidth) and the draft
+ms's ratio to it. `--profile` (every row) prints torch.profiler's top kernels over 4 timed steps and adds the
 device's idle time to the row: `gpu_idle_ms_per_step` (the gaps between its kernels and copies, from the first
 one's start to the last one's end, per step: host work on the critical path), `gpu_widest_gap_ms`,
 `gpu_busy_share`. The last line printed is JSON.
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from refengine.bench.floors import measure_copy_bandwidth, target_weight_bytes
+from refengine.bench.floors import drafter_weight_bytes, measure_copy_bandwidth, target_weight_bytes
 from refengine.config import EngineConfig
 from refengine.defaults import add_fused_ops_argument
 from refengine.request import SamplingParams
@@ -106,8 +107,8 @@ def run(
                     max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32,
                 )
             )
-            weight_bytes = target_weight_bytes(engine.target)
-            floor_ms = weight_bytes / bandwidth * 1e3
+            floor_ms = target_weight_bytes(engine.target) / bandwidth * 1e3
+            draft_floor_ms = drafter_weight_bytes(engine.drafter) / bandwidth * 1e3 if spec else None
             for b in batches:
                 t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
                 row = {
@@ -119,7 +120,10 @@ def run(
                     "floor_ms": round(floor_ms, 3),
                     "floor_ratio": round(floor_ms / t["ms_per_step"], 3),
                 }
-                if profile and b == batches[0]:
+                if draft_floor_ms is not None and t["draft_ms"] > 0:  # the drafter's step against its own floor
+                    row["draft_floor_ms"] = round(draft_floor_ms, 3)
+                    row["draft_floor_ratio"] = round(draft_floor_ms / t["draft_ms"], 3)
+                if profile:
                     row.update(_profile(engine, b, prompt_len, f"{mode} {row['kind']} batch {b}"))
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)

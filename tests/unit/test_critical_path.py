@@ -2,7 +2,7 @@
 replay, the time the device has nothing to run. Host work added after a step's read (a slower commit) counts
 in full; host work between two launches of one step, with no sync between (after the draft graph is queued,
 before the verify's), does not; eager steps launch no graph and count nothing. Also `bench_steps --device cpu`
-(its critical ms column; --profile refused off CUDA).
+(its critical ms column and the drafter's own floor on DFlash rows; --profile refused off CUDA).
 
 Run: python -m pytest tests/unit/test_critical_path.py -q
 """
@@ -76,7 +76,7 @@ def test_eager_steps_count_nothing(monkeypatch):
     assert steps > 2 and critical == 0.0, critical
 
 
-def test_bench_steps_on_the_cpu_reports_critical_ms(capsys):
+def test_bench_steps_on_the_cpu_reports_critical_ms_and_the_drafters_floor(capsys):
     from refengine.bench_steps import main
 
     pair = ["--target", str(RANDOM_PAIR / "target"), "--draft", str(RANDOM_PAIR / "draft")]
@@ -86,6 +86,12 @@ def test_bench_steps_on_the_cpu_reports_critical_ms(capsys):
     assert {r["kind"] for r in rows} == {"plain", "dflash"}
     for r in rows:
         assert r["fused_ops"] == "none" and 0 < r["critical_ms"] <= r["host_ms"] <= r["ms_per_step"] + 1e-6, r
+    plain, dflash = (next(r for r in rows if r["kind"] == k) for k in ("plain", "dflash"))
+    assert "draft_floor_ms" not in plain, plain
+    # the drafter's own floor: fewer bytes than the target's, and the ratio is that floor over the draft's ms
+    assert 0 < dflash["draft_floor_ms"] < dflash["floor_ms"], dflash
+    want = dflash["draft_floor_ms"] / dflash["draft_ms"]
+    assert abs(dflash["draft_floor_ratio"] - want) <= 2e-3 * max(1.0, want), (dflash["draft_floor_ratio"], want)
     with pytest.raises(SystemExit):
         main([*common, "--modes", "full", "--profile"])
     assert "--profile reads the GPU's idle time: it needs --device cuda" in capsys.readouterr().err
