@@ -12,10 +12,10 @@ of it between reading a step's results back and queueing the next graph, while t
 (the runner's `critical_s`; graph modes). `--device cpu` runs the tiny pairs for the host columns alone. The
 floor is weight bytes / measured copy bandwidth: the step time of a batch-1 decode that streams every weight once;
 DFlash rows add the drafter's own floor (its weight bytes, LM head included, over the same bandwidth) and the draft
-ms's ratio to it. `--profile` (every row) prints torch.profiler's top kernels over 4 timed steps and adds the
-device's idle time to the row: `gpu_idle_ms_per_step` (the gaps between its kernels and copies, from the first
-one's start to the last one's end, per step: host work on the critical path), `gpu_widest_gap_ms`,
-`gpu_busy_share`. The last line printed is JSON.
+ms's ratio to it. `--profile` (every row, once every row is timed, on engines built again) prints torch.profiler's
+top kernels over 4 steps and adds the device's idle time to the row: `gpu_idle_ms_per_step` (the gaps between its
+kernels and copies, from the first one's start to the last one's end, per step: host work on the critical path,
+as slowed by the profiler's own tracing), `gpu_widest_gap_ms`, `gpu_busy_share`. The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -90,47 +90,63 @@ def run(
 ) -> dict[str, Any]:
     from refengine.engine import Engine
 
-    bandwidth = measure_copy_bandwidth(device)
-    rows = []
-    for mode in modes:
-        for spec in [k == "dflash" for k in kinds if draft or k == "plain"]:
-            engine = Engine(
-                EngineConfig(
-                    target,
-                    draft_path=draft if spec else None,
-                    device=device,
-                    synthetic_weights=synthetic,
-                    graph_mode=mode,
-                    fused_ops=fused_ops,
-                    max_num_seqs=max(batches),
-                    gpu_memory_utilization=0.5,  # step times need no large pool
-                    max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32,
-                )
+    def build(mode: str, spec: bool) -> Engine:
+        return Engine(
+            EngineConfig(
+                target,
+                draft_path=draft if spec else None,
+                device=device,
+                synthetic_weights=synthetic,
+                graph_mode=mode,
+                fused_ops=fused_ops,
+                max_num_seqs=max(batches),
+                gpu_memory_utilization=0.5,  # step times need no large pool
+                max_model_len=prompt_len + (warmup + steps + 2) * 16 + 32,
             )
-            floor_ms = target_weight_bytes(engine.target) / bandwidth * 1e3
-            draft_floor_ms = drafter_weight_bytes(engine.drafter) / bandwidth * 1e3 if spec else None
-            for b in batches:
-                t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
-                row = {
-                    "fused_ops": ",".join(engine.config.fused_ops_run) or "none",
-                    "mode": mode,
-                    "kind": "dflash" if spec else "plain",
-                    "batch": b,
-                    **{k: round(v, 3) for k, v in t.items()},
-                    "floor_ms": round(floor_ms, 3),
-                    "floor_ratio": round(floor_ms / t["ms_per_step"], 3),
-                }
-                if draft_floor_ms is not None and t["draft_ms"] > 0:  # the drafter's step against its own floor
-                    row["draft_floor_ms"] = round(draft_floor_ms, 3)
-                    row["draft_floor_ratio"] = round(draft_floor_ms / t["draft_ms"], 3)
-                if profile:
-                    row.update(_profile(engine, b, prompt_len, f"{mode} {row['kind']} batch {b}"))
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
-            del engine
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
+        )
+
+    bandwidth = measure_copy_bandwidth(device)
+    shapes = [(mode, spec) for mode in modes for spec in [k == "dflash" for k in kinds if draft or k == "plain"]]
+    rows = []
+    for mode, spec in shapes:
+        engine = build(mode, spec)
+        floor_ms = target_weight_bytes(engine.target) / bandwidth * 1e3
+        draft_floor_ms = drafter_weight_bytes(engine.drafter) / bandwidth * 1e3 if spec else None
+        for b in batches:
+            t = _timed_steps(engine, b, prompt_len, warmup, steps, seed=b)
+            row = {
+                "fused_ops": ",".join(engine.config.fused_ops_run) or "none",
+                "mode": mode,
+                "kind": "dflash" if spec else "plain",
+                "batch": b,
+                **{k: round(v, 3) for k, v in t.items()},
+                "floor_ms": round(floor_ms, 3),
+                "floor_ratio": round(floor_ms / t["ms_per_step"], 3),
+            }
+            if draft_floor_ms is not None and t["draft_ms"] > 0:  # the drafter's step against its own floor
+                row["draft_floor_ms"] = round(draft_floor_ms, 3)
+                row["draft_floor_ratio"] = round(draft_floor_ms / t["draft_ms"], 3)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+        del engine
+        _release(device)
+    # profiles after every timed row, on engines built again: host work timed after a profiler session in the
+    # same process is not the engine's own
+    for mode, spec in shapes if profile else []:
+        engine = build(mode, spec)
+        for b in batches:
+            kind = "dflash" if spec else "plain"
+            row = next(r for r in rows if (r["mode"], r["kind"], r["batch"]) == (mode, kind, b))
+            row.update(_profile(engine, b, prompt_len, f"{mode} {kind} batch {b}"))
+            print(json.dumps(row), file=sys.stderr)
+        del engine
+        _release(device)
     return {"bandwidth_bytes_per_s": round(bandwidth), "rows": rows}
+
+
+def _release(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def _profile(engine, batch: int, prompt_len: int, label: str) -> dict[str, float]:

@@ -5,8 +5,9 @@ priced C = D(k, S) + V(N, rows) against a plain step's P(N). An open batch maxim
 E_i(s_i) / C; a closed one (admitted together, nobody joining) lasts as long as its slowest request, so it
 minimises C x max_i r_i / E_i(s_i). Speculation must beat plain by SPEC_MARGIN; exploration searches optimistic
 estimates (acceptance one deviation up, each step at its graph replay's floor) within EXPLORE_BUDGET of
-predicted regret; a decision the search repeats is held 1, 2, 4, ... HOLD_MAX
-steps (for an unchanged batch, or a uniform one, every span min(S, r_i), for any batch of its size).
+predicted regret, each exploration charged what its step costs (_exploration_cost) and never held; a decision
+the search repeats is held 1, 2, 4, ... HOLD_MAX steps (for an unchanged batch, or a uniform one, every span
+min(S, r_i), for any batch of its size).
 """
 
 from __future__ import annotations
@@ -94,14 +95,19 @@ class GoodputSpans(SpanPolicy):
         tables = self.estimates.tables(req_ids, OPTIMISM) if explore else self.estimates.tables(req_ids)[None]
         best = self._search(tables[0], r)
         opt = self._search(tables[1], r, floor=True) if explore and best.spans != r.tolist() else best  # (all full)
+        explored = False
         if opt.spans != best.spans:
-            rate, _ = self._evaluate(tables[0], r, opt.spans)
-            regret = opt.cost * max(0.0, 1.0 - rate / best.rate)
-            if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + opt.cost):
+            cost = self._exploration_cost(np.asarray(opt.spans), opt.cost)
+            rate = self._rate(tables[0][np.arange(n), np.asarray(opt.spans) - 1], r, cost)
+            regret = cost * max(0.0, 1.0 - rate / best.rate)
+            if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + cost):
                 self.regret_s += regret
                 self.counts["explored"] += 1
-                best = opt
+                best, explored = opt, True
         self.counts["spec" if max(best.spans) > 1 else "plain"] += 1
+        if explored:  # one step, charged as one: an exploration is never held
+            self._hold = None
+            return best.spans
         cap = max(best.spans)
         uniform = all(s == min(cap, x) for s, x in zip(best.spans, r.tolist()))
         key, spans = (n, [cap]) if uniform else (list(req_ids), best.spans)
@@ -142,6 +148,15 @@ class GoodputSpans(SpanPolicy):
         draft = self.costs.get("draft", sh.draft_bucket(k), sh.draft_cap(widest), floor)
         verify = self.costs.get("verify", sh.batch_bucket(n), sh.verify_cap(n, int(spans.sum())), floor)
         return None if draft is None or verify is None else draft + verify
+
+    def _exploration_cost(self, spans: np.ndarray, floor: float) -> float:
+        """What an exploration with these spans (their replays' floor `floor`) is charged: its predicted cost, but
+        no more than its floor scaled as this batch's plain steps run above theirs. Replays leave the host out (a
+        host-bound pair's steps cost ten times theirs), and one slow sample must not price a kind out for ever."""
+        plain = np.ones(len(spans), dtype=np.int64)
+        predicted, plain_cost, plain_floor = self._cost(spans), self._cost(plain), self._cost(plain, floor=True)
+        assert predicted is not None and plain_cost is not None and plain_floor  # (priced: _untimed)
+        return min(predicted, floor * plain_cost / plain_floor)
 
     def _untimed(self, r: np.ndarray) -> bool | None:
         """True: no speculating step is priced yet (time one); False: no plain step is; None: both are."""

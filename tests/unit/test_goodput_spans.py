@@ -269,3 +269,34 @@ def test_a_plain_decision_is_searched_again_after_doubling_intervals():
     before = pol.counts["plain"]
     pol.choose(ids[:3], [200] * 3)
     assert pol.counts["plain"] == before + 1, "a batch of another size is searched"
+
+
+def test_exploration_is_charged_what_its_steps_really_cost():
+    """A host-bound pair (the tiny models on a GPU): every step takes ten times its graphs' replays, and no draft
+    is ever accepted (tau 1). Exploration searches at the replays' floor but is charged what the step costs, and
+    an explored choice is not held for free: the time speculation really loses stays within EXPLORE_BUDGET of
+    the time run (plus the steps that time an unpriced kind), and most request-steps decode plainly."""
+    buckets, caps = (1, 2, 4, 8, 16), (2, 4, 8, 16)
+    pol = GoodputSpans(B)
+    seeds = [ShapeCost("decode", b, 1, 0.1e-3) for b in buckets]
+    seeds += [ShapeCost("verify", b, c, 0.12e-3) for b in buckets for c in caps]
+    seeds += [ShapeCost("draft", b, c, 0.05e-3) for b in buckets for c in caps]
+    pol.start(StepShapes(buckets, buckets, caps, caps), seeds)
+    ids = _admit(pol, 16)
+    plain_s, spec_s, draft_s = 1.0e-3, 1.7e-3, 0.5e-3  # ten times: decode 0.1, verify 0.12 + draft 0.05 ms
+    lost = elapsed = 0.0
+    spans_by_width: dict[int, int] = {}
+    for _ in range(600):
+        spans = pol.choose(ids, [10_000] * 16)
+        spec = max(spans) > 1
+        secs = spec_s if spec else plain_s
+        pol.observe(StepReport(tuple(ids), tuple(spans), (0,) * 16, secs, draft_s if spec else None))
+        lost, elapsed = lost + (secs - plain_s), elapsed + secs
+        for s in spans:
+            spans_by_width[s] = spans_by_width.get(s, 0) + 1
+    allowed = EXPLORE_BUDGET * elapsed + pol.counts["timing"] * (spec_s - plain_s)
+    assert lost <= allowed, (
+        f"speculation lost {lost * 1e3:.1f} ms of {elapsed * 1e3:.1f} (allowed {allowed * 1e3:.1f}): {pol.stats()}"
+    )
+    drafted = sum(v for k, v in spans_by_width.items() if k > 1)
+    assert spans_by_width.get(1, 0) > 10 * drafted, (spans_by_width, pol.stats())
