@@ -33,11 +33,10 @@ DEFAULT_MEMORY_ACCOUNTING = "lane"
 MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 GRAPH_MODES = ("eager", "piecewise", "full")
-# Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel;
-# without it that step runs as FlashInfer's separate kernels). All on by default: pre_attn took 11% off a plain
-# decode step at batch 1 and 32 on an H100 (docs/PERF.md, What made it fast)
+# Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel).
+# The default leaves pre_attn out until a GPU has measured what it pays (docs/PERF.md, Open gaps)
 FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "pre_attn")
-DEFAULT_FUSED_OPS = FUSED_OPS
+DEFAULT_FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")
 
 
 def check_fused_ops(ops: tuple[str, ...]) -> None:

@@ -31,7 +31,7 @@ def gpu_engine(target, draft=None, proposer=None, shared_target=None, span_polic
     kw.setdefault("num_blocks", 8192)
     # the whole GPU suite runs in one graph mode per invocation: REFENGINE_GRAPH_MODE=eager|piecewise|full
     kw.setdefault("graph_mode", os.environ.get("REFENGINE_GRAPH_MODE") or None)
-    # and one set of fused kernels: REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope (pre_attn left out; or none)
+    # and one set of fused kernels: REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope,pre_attn (or none)
     fused = os.environ.get("REFENGINE_FUSED_OPS")
     if fused is not None:
         kw.setdefault("fused_ops", tuple(o for o in fused.split(",") if o and o != "none"))

@@ -8,8 +8,8 @@ and slots. GPU only: Triton's CPU interpreter rounds to bf16 by
 truncation (the kernel's fp32 and fp16 results there equal the separate kernels').
 
 Run on a CUDA machine: python -m pytest -m gpu tests/gpu/test_gpu_pre_attn_kernel.py
-The whole GPU suite with the pre-attention step as separate kernels instead (the kernel is on by default):
-    REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope python -m pytest -m gpu tests/gpu
+The whole GPU suite with the kernel in the engine's forwards (it is opt-in):
+    REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope,pre_attn python -m pytest -m gpu tests/gpu
 """
 
 from __future__ import annotations

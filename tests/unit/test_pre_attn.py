@@ -1,8 +1,8 @@
 """The pre-attention step behind `Kernels.pre_attn` (refengine/models/kernels.py) on the CPU, fp32: the separate
 ops (q/k RMSNorm, RoPE, the K/V write) equal the HF-order layer math of models/layers.py (rms_norm, Rope.apply) at
 the written slots, leave every other slot untouched, and with no q heads (the drafter's context rows) write K/V
-only. Also which kernels a config selects: pre_attn is in the default and can be left out, unknown ops are
-refused. The fused Triton kernel itself is checked on a GPU (tests/gpu/test_gpu_pre_attn_kernel.py).
+only. Also which kernels a config selects: pre_attn is opt-in, unknown ops are refused. The fused Triton kernel
+itself is checked on a GPU (tests/gpu/test_gpu_pre_attn_kernel.py).
 
 Run: python -m pytest tests/unit/test_pre_attn.py
 """
@@ -61,9 +61,8 @@ def test_pre_attn_equals_layer_math_and_writes_only_its_slots(with_q: bool) -> N
 
 def test_fused_ops_selection() -> None:
     cfg = EngineConfig("unused-path")
-    assert cfg.fused_ops_names == DEFAULT_FUSED_OPS and "pre_attn" in DEFAULT_FUSED_OPS
-    four = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")  # the pre-attention step as separate kernels
-    assert EngineConfig("unused-path", fused_ops=four).fused_ops_names == four
+    assert cfg.fused_ops_names == DEFAULT_FUSED_OPS and "pre_attn" not in DEFAULT_FUSED_OPS
+    assert EngineConfig("unused-path", fused_ops=(*DEFAULT_FUSED_OPS, "pre_attn")).fused_ops_names[-1] == "pre_attn"
     with pytest.raises(UnsupportedConfigError, match="fused_ops"):
         EngineConfig("unused-path", fused_ops=("pre_attention",))
     assert isinstance(kernels_for(torch.device("cpu"), frozenset({"pre_attn"})), TorchKernels)
