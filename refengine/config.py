@@ -34,7 +34,8 @@ MEMORY_ACCOUNTINGS = ("upstream", "lane")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
 GRAPH_MODES = ("eager", "piecewise", "full")
 # Fused kernels of the graphed forwards: FlashInfer's, and pre_attn (q/k norm + RoPE + K/V write, one Triton kernel).
-# The default leaves pre_attn out until a GPU has measured what it pays (docs/PERF.md, Open gaps)
+# pre_attn took 11% off a plain decode step on an H100 (docs/PERF.md, What made it fast); the default leaves it out
+# until the GPU suite has passed with it in every graph mode (README: REFENGINE_FUSED_OPS)
 FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "pre_attn")
 DEFAULT_FUSED_OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope")
 
