@@ -189,12 +189,6 @@ class GoodputSpans(SpanPolicy):
     def _rate(self, e: np.ndarray, r: np.ndarray, cost: float) -> float:
         return float(e.sum() / cost) if self.open else float(1.0 / (np.max(r / e) * cost))
 
-    def _evaluate(self, table: np.ndarray, r: np.ndarray, spans: list[int]) -> tuple[float, float]:
-        s = np.asarray(spans)
-        cost = self._cost(s)
-        assert cost is not None  # (every shape a search prices is priced: _untimed)
-        return self._rate(table[np.arange(len(s)), s - 1], r, cost), cost
-
     def _search(self, table: np.ndarray, r: np.ndarray, floor: bool = False) -> Choice:
         """The best choice for the estimate `table` [N, B], every cap and prefix priced at once (`floor`: each
         shape at its least cost, StepCosts.get's)."""
