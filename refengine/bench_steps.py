@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from refengine.bench.floors import drafter_weight_bytes, measure_copy_bandwidth, target_weight_bytes
+from refengine.bench.floors import drafter_weight_bytes, measure_copy_bandwidth, sync_device, target_weight_bytes
 from refengine.config import EngineConfig
 from refengine.defaults import add_fused_ops_argument
 from refengine.request import SamplingParams
@@ -52,13 +52,13 @@ def _timed_steps(
         engine.step()
     for _ in range(warmup):
         engine.step()
-    _sync(engine)
+    sync_device(str(engine.target.device))
     before = dict(engine.runner.timings)
     with around():
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        _sync(engine)
+        sync_device(str(engine.target.device))
         wall = time.perf_counter() - t0
     delta = {k: (engine.runner.timings[k] - before[k]) * 1e3 / steps for k in before}
     wait = delta.pop("sync_wait_s")
@@ -66,11 +66,6 @@ def _timed_steps(
     for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort(r.request_id, "timed steps done")
     return {"ms_per_step": wall * 1e3 / steps, **{k.replace("_s", "_ms"): v for k, v in delta.items()}}
-
-
-def _sync(engine) -> None:
-    if engine.target.device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def run(
@@ -107,9 +102,9 @@ def run(
 
     bandwidth = measure_copy_bandwidth(device)
     shapes = [(mode, spec) for mode in modes for spec in [k == "dflash" for k in kinds if draft or k == "plain"]]
-    rows = []
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}  # (mode, kind, batch) -> its row
     for mode, spec in shapes:
-        engine = build(mode, spec)
+        engine, kind = build(mode, spec), "dflash" if spec else "plain"
         floor_ms = target_weight_bytes(engine.target) / bandwidth * 1e3
         draft_floor_ms = drafter_weight_bytes(engine.drafter) / bandwidth * 1e3 if spec else None
         for b in batches:
@@ -117,7 +112,7 @@ def run(
             row = {
                 "fused_ops": ",".join(engine.config.fused_ops_run) or "none",
                 "mode": mode,
-                "kind": "dflash" if spec else "plain",
+                "kind": kind,
                 "batch": b,
                 **{k: round(v, 3) for k, v in t.items()},
                 "floor_ms": round(floor_ms, 3),
@@ -126,22 +121,21 @@ def run(
             if draft_floor_ms is not None and t["draft_ms"] > 0:  # the drafter's step against its own floor
                 row["draft_floor_ms"] = round(draft_floor_ms, 3)
                 row["draft_floor_ratio"] = round(draft_floor_ms / t["draft_ms"], 3)
-            rows.append(row)
+            rows[mode, kind, b] = row
             print(json.dumps(row), file=sys.stderr)
         del engine
         _release(device)
     # profiles after every timed row, on engines built again: host work timed after a profiler session in the
     # same process is not the engine's own
     for mode, spec in shapes if profile else []:
-        engine = build(mode, spec)
+        engine, kind = build(mode, spec), "dflash" if spec else "plain"
         for b in batches:
-            kind = "dflash" if spec else "plain"
-            row = next(r for r in rows if (r["mode"], r["kind"], r["batch"]) == (mode, kind, b))
+            row = rows[mode, kind, b]
             row.update(_profile(engine, b, prompt_len, f"{mode} {kind} batch {b}"))
             print(json.dumps(row), file=sys.stderr)
         del engine
         _release(device)
-    return {"bandwidth_bytes_per_s": round(bandwidth), "rows": rows}
+    return {"bandwidth_bytes_per_s": round(bandwidth), "rows": list(rows.values())}
 
 
 def _release(device: str) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from golden.records import AcceptanceRecord, TopKRecord
 from refengine import Engine, EngineConfig, Request, SamplingParams
+from refengine.defaults import fused_ops_arg
 
 
 def cpu_engine(target, draft=None, proposer=None, span_policy=None, **kw) -> Engine:
@@ -34,7 +35,7 @@ def gpu_engine(target, draft=None, proposer=None, shared_target=None, span_polic
     # and one set of fused kernels: REFENGINE_FUSED_OPS=rmsnorm,add_rmsnorm,silu_and_mul,rope,pre_attn (or none)
     fused = os.environ.get("REFENGINE_FUSED_OPS")
     if fused is not None:
-        kw.setdefault("fused_ops", tuple(o for o in fused.split(",") if o and o != "none"))
+        kw.setdefault("fused_ops", fused_ops_arg(fused))
     return Engine(
         EngineConfig(
             str(target),

@@ -15,15 +15,16 @@ def measure_copy_bandwidth(device: str) -> float:
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    _sync(device)
+    sync_device(device)
     return 2 * n * 10 / (time.perf_counter() - t0)
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing to wait for elsewhere."""
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 

@@ -24,8 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
-import torch
-
+from refengine.bench.floors import sync_device
 from refengine.bench.job import steady_budgets
 from refengine.bench.report import throughput_fields
 from refengine.errors import RefEngineError
@@ -52,11 +51,6 @@ def check_ran(reqs: list, output_tokens: int | list[int]) -> None:
                 f"bench request {r.request_id} ran {len(r.output_ids)} of {budget} tokens "
                 f"({reason}) {r.message}".rstrip()
             )
-
-
-def _sync(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_once(
@@ -90,7 +84,7 @@ def run_once(
         reqs.extend(new)
         running.extend(new)
 
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     submit(len(queue) if in_flight is None else in_flight)
     step_wall = 0.0
@@ -108,7 +102,7 @@ def run_once(
         if in_flight is not None and queue:  # steady arrivals: as many new requests as finished (host work)
             running[:] = [r for r in running if not r.finished]
             submit(in_flight - len(running))
-    _sync(device)
+    sync_device(device)
     secs = time.perf_counter() - t0
     timings = {k: engine.runner.timings[k] - t_before.get(k, 0.0) for k in engine.runner.timings}
     plans = Counter(engine.scheduler.plan_counts)

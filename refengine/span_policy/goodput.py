@@ -97,8 +97,9 @@ class GoodputSpans(SpanPolicy):
         opt = self._search(tables[1], r, floor=True) if explore and best.spans != r.tolist() else best  # (all full)
         explored = False
         if opt.spans != best.spans:
-            cost = self._exploration_cost(np.asarray(opt.spans), opt.cost)
-            rate = self._rate(tables[0][np.arange(n), np.asarray(opt.spans) - 1], r, cost)
+            opt_spans = np.asarray(opt.spans)
+            cost = self._exploration_cost(opt_spans, opt.cost)
+            rate = self._rate(tables[0][np.arange(n), opt_spans - 1], r, cost)
             regret = cost * max(0.0, 1.0 - rate / best.rate)
             if self.regret_s + regret <= EXPLORE_BUDGET * (self.elapsed_s + cost):
                 self.regret_s += regret
